@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/all.ipynb #19642dfe
+# %% ../nbs/all.ipynb #340ef367
 from fastai.basics import *
 from .callback.recorder import *
+from .normalize import *
 from .callback.gradaccum import *
 # nbdev writes an empty `__all__` for a module that defines nothing, which would hide every name imported above
 globals().pop("__all__", None)
