@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/all.ipynb #340ef367
+# %% ../nbs/all.ipynb #8e4d336b
 from fastai.basics import *
 from .callback.recorder import *
 from .normalize import *
