@@ -1,0 +1,274 @@
+"Equivalence sweeps and behaviour of `GradientAccumulation`: the heavier checks that would clutter the notebook"
+import warnings, pytest
+from fastai.basics import *
+from fastai.callback.fp16 import MixedPrecision, AMPMode
+from fastai.callback.training import GradientClip
+from fastai.callback.progress import ProgressCallback
+from fastxtend_accum.all import *
+from fastxtend_accum.test_utils import *
+
+N_TRAIN = 1500 # 1500 = 23*64 + 28: every epoch ends with a short micro-batch and a short window
+
+def run(bs, cbs=None, n_epoch=2, one_cycle=False, opt_func=SGD, extra=None, **kwargs):
+    "Fit a float64 digits learner quietly and return it"
+    lr = 0.1 if opt_func is SGD else 1e-2
+    learn = digits_learner(bs, opt_func=opt_func, lr=lr, cbs=cbs, **kwargs)
+    with learn.no_logging(), learn.no_bar():
+        if one_cycle: learn.fit_one_cycle(n_epoch, lr, cbs=extra)
+        else: learn.fit(n_epoch, cbs=extra)
+    return learn
+
+def assert_same_training(large, accum, eps=1e-8):
+    "Same parameters, same per-step losses, lrs and epoch records"
+    assert max_param_diff(large, accum) < eps
+    test_eq(len(accum.recorder.losses), len(large.recorder.losses))
+    test_close(torch.stack(accum.recorder.losses), torch.stack(large.recorder.losses), eps=1e-10)
+    test_close(accum.recorder.lrs, large.recorder.lrs, eps=1e-12)
+    test_eq(accum.recorder.iters, large.recorder.iters)
+    for a,b in zip(accum.recorder.values, large.recorder.values): test_close(a, b, eps=1e-10)
+
+# micro_bs, accum_bs, large_bs, loader kwargs for both runs
+CASES = {
+    'divides':             (16, 64, 64, {}),
+    'divides-shuffled':    (16, 64, 64, dict(shuffle=True)),
+    'does-not-divide':     (24, 64, 72, {}), # windows close at 72 samples
+    'micro-above-accum':   (64, 32, 64, {}), # every micro-batch is a window
+    'torch-loaders':       (16, 64, 64, dict(torch_loader=True)),
+    'odd-sizes':           (7, 35, 35, dict(n_train=1000)), # 1000 = 28*35 + 20: last micro-batch of 6
+}
+
+@pytest.mark.parametrize('one_cycle,opt_func', [(False,SGD), (True,SGD), (True,Adam)], ids=['fit-SGD','one_cycle-SGD','one_cycle-Adam'])
+@pytest.mark.parametrize('case', list(CASES))
+def test_equals_large_batch(case, one_cycle, opt_func):
+    micro,accum_bs,large_bs,kw = CASES[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        accum = run(micro, GradientAccumulation(accum_bs), one_cycle=one_cycle, opt_func=opt_func, **kw)
+    large = run(large_bs, one_cycle=one_cycle, opt_func=opt_func, **kw)
+    assert_same_training(large, accum)
+    if opt_func is SGD and not one_cycle: test_close(accum.recorder.hps if hasattr(accum.recorder,'hps') else 0, large.recorder.hps if hasattr(large.recorder,'hps') else 0)
+
+@pytest.mark.parametrize('one_cycle', [False, True])
+def test_drop_last(one_cycle):
+    "The epoch's short window is discarded like a large-batch loader's short batch, and never computed"
+    seen = []
+    class CountSamples(Callback):
+        def after_pred(self):
+            if self.training: seen.append(find_bs(self.yb))
+    accum = run(16, GradientAccumulation(64, drop_last=True), one_cycle=one_cycle, extra=CountSamples())
+    large = run(64, drop_last=True, one_cycle=one_cycle)
+    assert_same_training(large, accum)
+    test_eq(sum(seen), 2*23*64) # the 28 samples of each epoch's short window never reach the model
+    test_eq(accum.recorder.iters, [23, 46])
+
+def test_loader_drop_last():
+    "A micro-batch loader that drops its own short micro-batch trains on the samples it yields"
+    accum = run(16, GradientAccumulation(64), drop_last=True)         # 1488 samples: 23 windows of 64, one of 16
+    large = run(64, n_train=1488)
+    assert max_param_diff(large, accum) < 1e-8
+
+def test_sizes_unknown_ahead():
+    "A loader whose micro-batch sizes are not known ahead still gives exact windows (progress then counts micro-batches)"
+    dls = digits_dls(16, torch_loader=True)
+    tdl = dls.train
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(tdl.dataset), 16, drop_last=False)
+    dls = DataLoaders(torch.utils.data.DataLoader(tdl.dataset, batch_sampler=sampler), dls.valid, device='cpu')
+    learn = Learner(dls, digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[GradientAccumulation(64), Float64SmoothLoss()])
+    with learn.no_logging(), learn.no_bar(): learn.fit(2)
+    assert learn.gradient_accumulation.plan is None
+    large = run(64)
+    assert_same_training(large, learn)
+
+def test_log_accum_batch_false():
+    "fastai's per-micro-batch records, same training"
+    accum = run(16, GradientAccumulation(64, log_accum_batch=False), one_cycle=True)
+    large = run(64, one_cycle=True)
+    assert max_param_diff(large, accum) < 1e-8
+    test_eq(len(accum.recorder.losses), 2*94)
+    test_eq(len(accum.recorder.hps['lr']), 2*94)
+    test_eq(accum.recorder.iters, [94, 188])
+    # every micro-batch of a window trained with its window's first lr: the distinct lrs are the large run's
+    test_close(sorted(set(accum.recorder.lrs)), sorted(set(large.recorder.lrs)), eps=1e-12)
+
+def test_train_metrics_see_every_micro_batch():
+    rec = lambda: Recorder(train_metrics=True)
+    accum = digits_learner(16, cbs=GradientAccumulation(64), metrics=accuracy)
+    large = digits_learner(64, metrics=accuracy)
+    for l in (accum, large):
+        l.remove_cb(Recorder); l.add_cb(rec())
+        with l.no_logging(), l.no_bar(): l.fit(2)
+    # train_loss, train_accuracy, valid_loss, valid_accuracy: all equal, so metrics covered all 1,500 samples
+    for a,b in zip(accum.recorder.values, large.recorder.values): test_close(a, b, eps=1e-10)
+
+def test_progress_bar_counts_steps():
+    seen = []
+    class Watch(Callback):
+        "Record what the training progress bar is told"
+        order = ProgressCallback.order+1
+        def before_train(self):
+            pbar = self.progress.pbar
+            update = pbar.update
+            def _update(v): seen.append((v, pbar.total)); update(v)
+            pbar.update = _update
+    learn = digits_learner(16, cbs=[GradientAccumulation(64), ProgressCallback()])
+    with learn.no_logging(): learn.fit(1, cbs=Watch())
+    test_eq(seen, [(i, 24) for i in range(1, 25)]) # once per optimizer step, and the bar ends full
+
+class CPUMixedPrecision(MixedPrecision):
+    "fastai's `MixedPrecision` with CPU autocast and a CPU `GradScaler`, counting scaler steps and updates"
+    def before_fit(self):
+        dtype = torch.bfloat16 if self.amp_mode == AMPMode.BF16 else torch.float16
+        self.autocast = torch.autocast('cpu', dtype=dtype, enabled=self.kwargs.pop('autocast', True))
+        self.learn.scaler = torch.amp.GradScaler('cpu', enabled=dtype == torch.float16, **self.kwargs)
+        self.scales,self.n_unscale,self.n_update = L(),0,0
+    def before_step(self):
+        self.n_unscale += 1
+        super().before_step()
+    def after_step(self):
+        self.n_update += 1
+        super().after_step()
+    def after_pred(self):
+        if self.autocast._enabled: super().after_pred() # fastai casts preds to float32; keep float64 when not autocasting
+    def after_fit(self): self.autocast = None
+
+class Overflow(Callback):
+    "Put an inf in a gradient after the backward of training batch `at` (counted in samples seen)"
+    order = MixedPrecision.order-1
+    def __init__(self, at): self.at,self.seen = at,0
+    def before_fit(self): self.seen = 0
+    def after_backward(self):
+        if self.seen <= self.at < self.seen+find_bs(self.yb): next(self.model.parameters()).grad[0,0] = float('inf')
+        self.seen += find_bs(self.yb)
+
+def test_fp16_scaler_once_per_window():
+    "Loss scaling (exact powers of two) keeps float64 training exact; one unscale/step/update per window"
+    mp = lambda: CPUMixedPrecision(init_scale=2.**10, growth_interval=5, autocast=False)
+    accum = run(16, [GradientAccumulation(64), mp()])
+    large = run(64, mp())
+    assert max_param_diff(large, accum) < 1e-8
+    test_eq(accum.cpu_mixed_precision.n_unscale, 48)
+    test_eq(accum.cpu_mixed_precision.n_update, 48)
+    test_eq(accum.cpu_mixed_precision.scales, large.cpu_mixed_precision.scales) # the scale grew at the same steps
+
+def test_fp16_overflow_skips_the_window():
+    "An inf in one micro-batch skips its whole window, clears its gradients, and halves the scale once"
+    mp = lambda: CPUMixedPrecision(init_scale=2.**10, growth_interval=1000, autocast=False)
+    accum = run(16, [GradientAccumulation(64), mp(), Overflow(64*5+20)]) # in the 6th window's 2nd micro-batch
+    large = run(64, [mp(), Overflow(64*5+20)])
+    assert max_param_diff(large, accum) < 1e-8
+    test_eq(len(accum.cpu_mixed_precision.scales), 47) # 48 windows, one skipped
+    test_eq(accum.learn.scaler.get_scale() if hasattr(accum,'learn') else accum.scaler.get_scale(), 2.**9)
+    assert all((p.grad is None) or (p.grad == 0).all() for p in accum.model.parameters())
+
+def test_bf16_autocast_runs():
+    "bf16 autocast (no scaler) with accumulation trains like the large batch, to bf16 precision"
+    accum = run(16, [GradientAccumulation(64), CPUMixedPrecision(amp_mode='bf16')], dtype=torch.float32)
+    large = run(64, CPUMixedPrecision(amp_mode='bf16'), dtype=torch.float32)
+    assert max_param_diff(large, accum) < 5e-2
+    test_close(accum.recorder.values[-1][1], large.recorder.values[-1][1], eps=1e-2) # valid loss
+
+def test_gradient_clip_clips_the_window():
+    "A binding clip acts on the accumulated gradient once, as on the large batch's"
+    accum = run(16, [GradientAccumulation(64), GradientClip(0.05)])
+    large = run(64, GradientClip(0.05))
+    free = run(64)
+    assert max_param_diff(large, accum) < 1e-8
+    assert max_param_diff(large, free) > 1e-3 # the clip did bind
+
+def test_lr_find_leaves_learner_ready():
+    learn = digits_learner(16, cbs=GradientAccumulation(64), opt_func=Adam)
+    start = [p.detach().clone() for p in learn.model.parameters()]
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        res = learn.lr_find(num_it=60, show_plot=False)
+    assert res.valley > 0
+    test_eq(len(learn.recorder.lrs), len(learn.recorder.losses)) # one (lr, loss) per optimizer step
+    assert all((p == s).all() for p,s in zip(learn.model.parameters(), start)) # lr_find restores the weights
+    assert all(p.grad is None or (p.grad == 0).all() for p in learn.model.parameters())
+    assert not learn.gradient_accumulation.accumulating
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-2)
+    fresh = run(16, GradientAccumulation(64), opt_func=Adam)
+    assert max_param_diff(learn, fresh) < 1e-8 # lr_find left nothing that changes the next fit
+
+def test_export_load_learner(tmp_path):
+    learn = run(16, GradientAccumulation(64))
+    learn.path = tmp_path
+    learn.export('accum.pkl')
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        loaded = load_learner(tmp_path/'accum.pkl')
+    cb = loaded.gradient_accumulation
+    test_eq(cb.accum_bs, 64)
+    x,_ = digits_data()
+    test_close(loaded.model(x[1500:]), learn.model(x[1500:]), eps=1e-12)
+
+class Boom(Callback):
+    "Raise in the middle of the first epoch's 3rd window"
+    def after_backward(self):
+        if self.training and self.iter == 9: raise RuntimeError('boom')
+
+def no_grads(learn): return all(p.grad is None or (p.grad == 0).all() for p in learn.model.parameters())
+
+def test_exception_mid_window_with_fit_cbs():
+    learn = digits_learner(16)
+    with pytest.raises(RuntimeError, match='boom'), learn.no_bar(), learn.no_logging():
+        learn.fit(1, cbs=[GradientAccumulation(64), Boom()])
+    assert no_grads(learn)
+    test_is(accum_logger(learn), None)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    test_eq(len(learn.recorder.losses), 94) # fastai's records again
+
+def test_exception_mid_window_with_attached_cb():
+    learn = digits_learner(16, cbs=GradientAccumulation(64))
+    with pytest.raises(RuntimeError, match='boom'), learn.no_bar(), learn.no_logging():
+        learn.fit(1, cbs=Boom())
+    assert no_grads(learn)
+    learn.remove_cb(GradientAccumulation)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    test_eq(len(learn.recorder.losses), 94)
+
+def test_cancel_fit_mid_window():
+    class Stop(Callback):
+        def after_backward(self):
+            if self.iter == 9: raise CancelFitException()
+    learn = digits_learner(16, cbs=GradientAccumulation(64))
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=Stop())
+    assert no_grads(learn)
+    test_eq(learn.gradient_accumulation.n_steps, 2) # two windows stepped before the cancel
+
+def test_batchnorm_warns_once():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        run(16, GradientAccumulation(64), bn=True)
+    test_eq(sum('BatchNorm' in str(o.message) for o in w), 1)
+
+def test_no_warning_when_sizes_divide():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        run(16, GradientAccumulation(64))
+    test_eq([str(o.message) for o in w if 'accum' in str(o.message).lower()], [])
+
+def test_does_not_divide_warns_once_with_size():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        run(24, GradientAccumulation(64))
+    msgs = [str(o.message) for o in w if 'do not divide' in str(o.message)]
+    test_eq(len(msgs), 1)
+    assert 'windows close at 72 samples' in msgs[0]
+
+@pytest.mark.parametrize('kwargs,msg', [
+    (dict(accum_bs=0), '`accum_bs` must be a positive integer, got 0'),
+    (dict(accum_bs=-1), '`accum_bs` must be a positive integer, got -1'),
+    (dict(accum_bs=1.5), '`accum_bs` must be a positive integer, got 1.5'),
+    (dict(accum_bs='64'), "`accum_bs` must be a positive integer, got '64'"),
+    (dict(n_acc=0), '`n_acc` must be a positive integer, got 0'),
+    (dict(n_acc=None), '`n_acc` must be a positive integer, got None'),
+    (dict(normalize_by='tokens'), "`normalize_by` must be 'samples' or a callable"),
+])
+def test_bad_input(kwargs, msg):
+    with pytest.raises(ValueError, match=re.escape(msg)): GradientAccumulation(**kwargs)
+
+def test_fastai_style_arguments():
+    test_eq(GradientAccumulation(n_acc=64).accum_bs, 64)
+    test_eq(GradientAccumulation(128).accum_bs, 128)
+    test_eq(GradientAccumulation().accum_bs, 32)
