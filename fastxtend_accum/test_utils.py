@@ -20,10 +20,12 @@ def digits_data(dtype=torch.float64):
     d = load_digits()
     return torch.tensor(d.data/16., dtype=dtype), torch.tensor(d.target, dtype=torch.long)
 
-# %% ../nbs/test_utils.ipynb #bc68c919
+# %% ../nbs/test_utils.ipynb #48bce538
 class Samples(list):
     "A list of `(x, y)` samples that fastai can empty for `Learner.export`"
-    def new_empty(self): return type(self)()
+    def new_empty(self):
+        "An empty `Samples`, which is all `Learner.export` keeps of the data"
+        return type(self)()
 
 # %% ../nbs/test_utils.ipynb #1cb239da
 def digits_dls(bs:int, # Micro-batch size of the training loader
@@ -47,44 +49,58 @@ def digits_dls(bs:int, # Micro-batch size of the training loader
     vdl = FastaiDataLoader(val, bs=256, device='cpu')
     return DataLoaders(tdl, vdl, device='cpu')
 
-# %% ../nbs/test_utils.ipynb #da07178b
-def digits_mlp(n_hidden:int=32, seed:int=0, dtype=torch.float64, bn:bool=False)->nn.Module:
+# %% ../nbs/test_utils.ipynb #14292a67
+def digits_mlp(n_hidden:int=32, # Width of the hidden layer
+               seed:int=0, # Seed of the weights
+               dtype=torch.float64, # Dtype of the weights
+               bn:bool=False, # Add a `BatchNorm1d` after the hidden layer
+              )->nn.Module:
     "A small MLP for digits, with weights fixed by `seed` (and a BatchNorm layer when `bn`)"
     torch.manual_seed(seed)
     layers = [nn.Linear(64, n_hidden)] + ([nn.BatchNorm1d(n_hidden)] if bn else []) + [nn.ReLU(), nn.Linear(n_hidden, 10)]
     return nn.Sequential(*layers).to(dtype)
 
-# %% ../nbs/test_utils.ipynb #ad793d9e
+# %% ../nbs/test_utils.ipynb #95e187c1
 class Float64SmoothLoss(Callback):
     "Keep the Recorder's smoothed loss in float64: fastai starts it as a float32 tensor, which `torch.lerp` cannot mix with float64 losses"
     order = Recorder.order+1
     def before_fit(self):
+        "Restart the smoothed loss as a float64 zero, after the Recorder's reset"
         if hasattr(self.learn, 'recorder'): self.recorder.smooth_loss.val = torch.zeros((), dtype=torch.float64)
 
-# %% ../nbs/test_utils.ipynb #5d88689d
+# %% ../nbs/test_utils.ipynb #d6643e99
 def digits_learner(bs:int, # Micro-batch size of the training loader
                    seed:int=0, # Seed of the model's weights (same seed, same start)
                    opt_func=SGD, # fastai optimizer
                    lr:float=0.1, # Learning rate
                    n_train:int=1500, # Training samples
-                   shuffle:bool=False, drop_last:bool=False, torch_loader:bool=False,
-                   dtype=torch.float64, bn:bool=False, **kwargs)->Learner:
+                   shuffle:bool=False, # Shuffle the training set (seeded with `seed`)
+                   drop_last:bool=False, # Drop the training loader's last partial micro-batch
+                   torch_loader:bool=False, # Plain PyTorch `DataLoader`s instead of fastai's
+                   dtype=torch.float64, # Dtype of the weights and pixels
+                   bn:bool=False, # Add a BatchNorm layer to the model
+                   **kwargs)->Learner:
     "A float64 `Learner` on digits whose start is fixed by `seed`: two of them differ only in what is passed"
     dls = digits_dls(bs, n_train=n_train, shuffle=shuffle, drop_last=drop_last, seed=seed, dtype=dtype, torch_loader=torch_loader)
     # `nn.CrossEntropyLoss`, not fastai's `CrossEntropyLossFlat`: the latter computes float32 losses from float64 inputs
     cbs = L(kwargs.pop('cbs', None)) + (L(Float64SmoothLoss()) if dtype == torch.float64 else L())
     return Learner(dls, digits_mlp(seed=seed, dtype=dtype, bn=bn), loss_func=nn.CrossEntropyLoss(), opt_func=opt_func, lr=lr, cbs=cbs, **kwargs)
 
-# %% ../nbs/test_utils.ipynb #7b84b150
-def max_param_diff(a:nn.Module|Learner, b:nn.Module|Learner)->float:
+# %% ../nbs/test_utils.ipynb #d9aa8e88
+def max_param_diff(a:nn.Module|Learner, # A model, or a learner whose model to compare
+                   b:nn.Module|Learner, # The model (or learner) to compare it with
+                  )->float:
     "Largest absolute difference between the parameters of two models (or two learners' models)"
     a,b = getattr(a,'model',a),getattr(b,'model',b)
     return max((p-q).abs().max().item() for p,q in zip(a.parameters(), b.parameters()))
 
-# %% ../nbs/test_utils.ipynb #de1b9255
+# %% ../nbs/test_utils.ipynb #1a942ca2
 def fit_digits(bs:int, # Batch (or micro-batch) size of the training loader
                cbs=None, # Callbacks for this run, e.g. `GradientAccumulation(256)`
-               epochs:int=20, lr:float=1e-2, opt_func=Adam, **kwargs):
+               epochs:int=20, # Epochs of `fit_one_cycle`
+               lr:float=1e-2, # Peak learning rate
+               opt_func=Adam, # fastai optimizer
+               **kwargs):
     "Train a float64 digits MLP with `fit_one_cycle`, quietly: the learner and the seconds it took"
     import time, warnings
     learn = digits_learner(bs, opt_func=opt_func, lr=lr, metrics=accuracy, shuffle=True, cbs=cbs, **kwargs)
@@ -94,10 +110,11 @@ def fit_digits(bs:int, # Batch (or micro-batch) size of the training loader
         learn.fit_one_cycle(epochs, lr)
     return learn, time.perf_counter()-start
 
-# %% ../nbs/test_utils.ipynb #73b9fd84
+# %% ../nbs/test_utils.ipynb #051bf921
 def plot_runs(runs:dict, # `{name: learner}`, the reference first
               epochs:int, # Epochs each run trained
-              title:str=''):
+              title:str='', # Title of the figure
+             ):
     "Train loss as each Recorder logged it, and validation loss per epoch, side by side"
     import matplotlib.pyplot as plt
     fig,(ax,av) = plt.subplots(1, 2, figsize=(12,4.5))
@@ -115,8 +132,9 @@ def plot_runs(runs:dict, # `{name: learner}`, the reference first
     fig.tight_layout()
     return fig
 
-# %% ../nbs/test_utils.ipynb #4599ea3b
-def runs_table(runs:dict)->str:
+# %% ../nbs/test_utils.ipynb #4d269355
+def runs_table(runs:dict, # `{name: learner}`, the reference first
+              )->str:
     "Final records of each run, and its largest parameter difference from the first run"
     ref = next(iter(runs.values()))
     rows = [f"{'run':<44}{'steps':>6}{'train_loss':>12}{'valid_loss':>12}{'accuracy':>10}{'max |param diff|':>18}"]
