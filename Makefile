@@ -40,9 +40,10 @@ check-export: export
 		git status --short -- fastxtend_accum nbs; git --no-pager diff --stat -- fastxtend_accum nbs; \
 		echo "nbdev_export/nbdev_clean changed files: the library or notebooks are out of sync"; exit 1; fi
 
+# tiny models: one thread each is faster than two fighting, and notebooks run two at a time
 nbtest: $(NBDEV_ENV)/.installed
 	mkdir -p $(WANDB_DIR)
-	$(NBDEV_ENV)/bin/nbdev_test --n_workers 2 --do_print
+	OMP_NUM_THREADS=1 $(NBDEV_ENV)/bin/nbdev_test --n_workers 2 --do_print
 
 pytest: env
 	mkdir -p $(WANDB_DIR)

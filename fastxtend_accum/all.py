@@ -5,10 +5,13 @@
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/all.ipynb #8e4d336b
+# %% ../nbs/all.ipynb #38b1c347
 from fastai.basics import *
 from .callback.recorder import *
 from .normalize import *
 from .callback.gradaccum import *
+from .callback.schedule import *
+from .callback.loggers import *
+from .callback.microbatch import *
 # nbdev writes an empty `__all__` for a module that defines nothing, which would hide every name imported above
 globals().pop("__all__", None)
