@@ -1,0 +1,125 @@
+"""One process of a 2-process DDP run (gloo, CPU), started by `test_distributed.py` as
+`python -m torch.distributed.run --nproc_per_node=2 tests/ddp_worker.py OUT_DIR`.
+
+Each case trains with `GradientAccumulation` under DDP, counts the gradient all-reduces with a DDP communication hook,
+and writes what the test compares to one process training on the same global batches: `OUT_DIR/<case>-rank<r>.pt`.
+The helpers here (fastai's distributed training on CPU, the all-reduce counter) are shared with `bench/distributed.py`."""
+import os, sys
+import torch, torch.nn as nn, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from fastai.basics import *
+from fastai.data.load import DataLoader as FastaiDataLoader
+
+MICRO_BS,ACCUM_BS,N_EPOCH = 16,64,2
+TEXT_ACCUM_BS = 32
+
+def fastai_distributed():
+    """`fastai.distributed` (it needs `accelerate`, pinned in the lock files), with `DistributedDL` broadcasting the
+    epoch's sample order on the CPU under gloo (fastai sends it with `.cuda()`)"""
+    import accelerate
+    import fastai.distributed as fd
+    def _broadcast(self, t, rank):
+        t = torch.tensor(t, dtype=torch.long)
+        if dist.get_backend() == 'nccl': t = t.cuda()
+        dist.broadcast(t, rank)
+        return t.cpu().tolist()
+    fd.DistributedDL._broadcast = _broadcast
+    return fd,f'accelerate {accelerate.__version__}'
+
+class CountAllReduce(Callback):
+    """Count the DDP model's gradient all-reduces with a communication hook (registered after `DistributedTrainer` wraps
+    the model): `n` bucket all-reduces, and `n_syncs` backward passes that all-reduced (one per bucket each: DDP puts
+    a small model's gradients in one bucket)"""
+    order = 12
+    def before_fit(self):
+        self.n,self.n_syncs,self._synced = 0,0,False
+        if not isinstance(self.model, DistributedDataParallel): raise RuntimeError('CountAllReduce needs a DDP model')
+        def hook(state, bucket):
+            self.n += 1
+            if not self._synced: self.n_syncs,self._synced = self.n_syncs+1,True
+            return allreduce_hook(state, bucket) # DDP's default: average over the processes
+        self.model.register_comm_hook(None, hook)
+    def before_backward(self): self._synced = False
+
+class DDPWrap(Callback):
+    "Wrap the model in `DistributedDataParallel` for the fit, without fastai's `DistributedDL` (per-process loaders)"
+    order = 11
+    def before_fit(self): self.learn.model = DistributedDataParallel(self.model)
+    def after_fit(self): self.learn.model = self.model.module
+
+def digits_split(n_train=300, n_valid=64):
+    from fastxtend_accum.test_utils import digits_data
+    x,y = digits_data()
+    trn,val = list(zip(x[:n_train], y[:n_train])),list(zip(x[-n_valid:], y[-n_valid:]))
+    return trn,val
+
+def digits_learner_on(trn, val, bs, cbs=()):
+    "A float64 digits `Learner` over the sample lists `trn` and `val`, with the weights of `digits_mlp(seed=0)`"
+    from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
+    dls = DataLoaders(FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
+    return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1,
+                   cbs=[Float64SmoothLoss()] + list(cbs))
+
+def shards(n:int, world:int=2, uneven:int=0)->list[range]:
+    "Each process's samples: the even halves fastai's `DistributedDL` gives (n even), or the last one `uneven` shorter"
+    m = n//world
+    return [range(r*m, (r+1)*m - (uneven if r == world-1 else 0)) for r in range(world)]
+# the uneven case: 150 and 146 samples, last micro-batches of 6 and 2, last windows of 22 and 18 samples
+UNEVEN = dict(n=300, uneven=4)
+
+def local_counts_cls():
+    from fastxtend_accum.callback.gradaccum import GradientAccumulation
+    class LocalCounts(GradientAccumulation):
+        "What DDP gives without the count sync: each process corrects by its own window's count, DDP averages the means"
+        def _setup_sync(self): self.sync = None # (DDP then all-reduces every micro-batch, which averages the same sums)
+    return LocalCounts
+
+CASES = ['samples', 'tokens', 'uneven', 'tokens_local', 'uneven_local', 'mismatch']
+
+def run_case(case, out, rank):
+    from fastxtend_accum.callback.gradaccum import GradientAccumulation
+    from fastxtend_accum.normalize import TokenCount
+    count,base = CountAllReduce(),case.removesuffix('_local')
+    GA = local_counts_cls() if case.endswith('_local') else GradientAccumulation
+    kw = dict(normalize_by=TokenCount()) if base == 'tokens' else {}
+    ga = GA(TEXT_ACCUM_BS if base == 'tokens' else ACCUM_BS, **kw)
+    if base == 'samples': # fastai's DistributedTrainer splits the 300 samples in halves: windows of 64, 64, 22 per process
+        trn,val = digits_split()
+        learn = digits_learner_on(trn, val, MICRO_BS, cbs=[ga, count])
+    elif base == 'tokens': # a char-level model on padded lines; windows of 32, 32, 32, 32, 22 lines per process
+        from textlm import text_learner
+        learn = text_learner(MICRO_BS, n=300, cbs=[ga, count])
+    elif base == 'uneven': # per-process loaders of 150 and 146 samples: last windows of 22 and 18 samples
+        trn,val = digits_split(UNEVEN['n'])
+        mine = [trn[i] for i in shards(**UNEVEN)[rank]]
+        learn = digits_learner_on(mine, val, MICRO_BS, cbs=[ga, DDPWrap(), count])
+    elif base == 'mismatch': # 150 and 144 samples: 10 and 9 micro-batches, so the windows cannot line up
+        trn,val = digits_split()
+        mine = [trn[i] for i in (range(0, 150), range(150, 294))[rank]]
+        learn = digits_learner_on(mine, val, MICRO_BS, cbs=[ga, DDPWrap(), count])
+        with learn.no_logging(), learn.no_bar():
+            try: learn.fit(N_EPOCH); error = None
+            except RuntimeError as e: error = str(e)
+        return torch.save(dict(error=error), os.path.join(out, f'{case}-rank{rank}.pt'))
+    with learn.no_logging(), learn.no_bar():
+        if base == 'uneven': learn.fit(N_EPOCH)
+        else:
+            with learn.distrib_ctx(cpu=True): learn.fit(N_EPOCH)
+    torch.save(dict(params=[p.detach().clone() for p in learn.model.parameters()], n_allreduce=count.n, n_syncs=count.n_syncs,
+                    n_steps=ga.n_steps, losses=[float(o) for o in learn.recorder.losses],
+                    plan=None if ga.plan is None else ga.plan.starts),
+               os.path.join(out, f'{case}-rank{rank}.pt'))
+
+def main(out, cases):
+    torch.set_num_threads(1)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    _,kind = fastai_distributed()
+    rank = int(os.environ['RANK'])
+    if rank == 0: print(f'fastai.distributed with {kind}', flush=True)
+    for case in cases:
+        if not case.startswith(('samples', 'tokens')) and not dist.is_initialized(): dist.init_process_group('gloo') # else `distrib_ctx` does
+        run_case(case, out, rank)
+    dist.barrier()
+
+if __name__ == '__main__': main(sys.argv[1], sys.argv[2].split(',') if len(sys.argv) > 2 else CASES)
