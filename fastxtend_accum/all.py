@@ -5,13 +5,15 @@
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/all.ipynb #38b1c347
+# %% ../nbs/all.ipynb #08850f45
 from fastai.basics import *
+from fastai.callback.schedule import * # the annealers (`SchedCos`...) that `GradientAccumulationSchedule` takes
 from .callback.recorder import *
 from .normalize import *
 from .callback.gradaccum import *
 from .callback.schedule import *
 from .callback.loggers import *
 from .callback.microbatch import *
+from .distributed import *
 # nbdev writes an empty `__all__` for a module that defines nothing, which would hide every name imported above
 globals().pop("__all__", None)

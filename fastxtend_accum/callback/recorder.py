@@ -9,7 +9,7 @@ from fastai.callback.schedule import ParamScheduler
 from fastai.callback.progress import ProgressCallback
 
 # %% auto #0
-__all__ = ['accum_logger']
+__all__ = ['accum_logger', 'fastai_method']
 
 # %% ../../nbs/callback.recorder.ipynb #3fa63fba
 def accum_logger(learn:Learner):
@@ -17,16 +17,18 @@ def accum_logger(learn:Learner):
     if not getattr(learn, 'training', False): return None
     return next((cb for cb in learn.cbs if getattr(cb, 'log_accum_batch', False) and getattr(cb, 'accumulating', False)), None)
 
-# %% ../../nbs/callback.recorder.ipynb #00a1c3f5
-def _fastai(cls, name):
-    "fastai's own `cls.name`, kept once so that re-importing this module never wraps a patch in itself"
+# %% ../../nbs/callback.recorder.ipynb #9ffa6390
+def fastai_method(cls, # The class (or module) fastai defines `name` in
+                  name:str, # The attribute a patch replaces
+                 ):
+    "fastai's own `cls.name`, kept once so that re-importing a module that patches it never wraps a patch in itself"
     key = f'_fastai_{name}'
     if key not in cls.__dict__: setattr(cls, key, getattr(cls, name))
     return getattr(cls, key)
 
-_recorder_after_batch = _fastai(Recorder, 'after_batch')
-_sched_after_batch = _fastai(ParamScheduler, 'after_batch')
-_progress_after_batch = _fastai(ProgressCallback, 'after_batch')
+_recorder_after_batch = fastai_method(Recorder, 'after_batch')
+_sched_after_batch = fastai_method(ParamScheduler, 'after_batch')
+_progress_after_batch = fastai_method(ProgressCallback, 'after_batch')
 
 # %% ../../nbs/callback.recorder.ipynb #e584d022
 @patch

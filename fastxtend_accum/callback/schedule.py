@@ -29,7 +29,7 @@ def _loader_bs(dl)->int|None:
     bs = getattr(dl, 'bs', None) if hasattr(dl, 'create_batch') else getattr(dl, 'batch_size', None)
     return bs if isinstance(bs, numbers.Integral) and bs > 0 else None
 
-# %% ../../nbs/callback.schedule.ipynb #b84bdef7
+# %% ../../nbs/callback.schedule.ipynb #8944b307
 class GradientAccumulationSchedule(GradientAccumulation):
     "Accumulate gradients over a number of samples that follows `schedule` from `start_accum_bs` to `final_accum_bs`"
     def __init__(self,
@@ -112,9 +112,9 @@ class GradientAccumulationSchedule(GradientAccumulation):
     def _plan(self, sizes:list[int])->WindowPlan:
         return WindowPlan(sizes, lambda i: self.accum_bs_at(self._pct(i, len(sizes))), self.drop_last)
 
-    def _open_window(self):
-        super()._open_window()
-        self.window_pct = self._pct(self.iter, self.n_iter) # hyper-parameters follow the same clock as the size
+    def _window_pct(self)->float:
+        "Hyper-parameters follow the same clock as the size: training progress at the window's first micro-batch"
+        return self._pct(self.iter, self.n_iter)
 
     def _pct_of(self, name, value)->float:
         if isinstance(value, float): return value
