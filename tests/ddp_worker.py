@@ -88,7 +88,7 @@ def run_case(case, out, rank):
         trn,val = digits_split()
         learn = digits_learner_on(trn, val, MICRO_BS, cbs=[ga, count])
     elif base == 'tokens': # a char-level model on padded lines; windows of 32, 32, 32, 32, 22 lines per process
-        from textlm import text_learner
+        from fastxtend_accum.test_utils import text_learner
         learn = text_learner(MICRO_BS, n=300, cbs=[ga, count])
     elif base == 'uneven': # per-process loaders of 150 and 146 samples: last windows of 22 and 18 samples
         trn,val = digits_split(UNEVEN['n'])

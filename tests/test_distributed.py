@@ -32,7 +32,7 @@ def global_order(shards, window:int)->list[int]:
 def reference(case):
     "One process, no accumulation, trained on the global batches the two processes' windows make up"
     if case == 'tokens':
-        from textlm import text_learner, text_samples
+        from fastxtend_accum.test_utils import text_learner, text_samples
         samples = text_samples(300)
         order = global_order(W.shards(300), W.TEXT_ACCUM_BS)
         learn = text_learner(2*W.TEXT_ACCUM_BS, samples=[samples[i] for i in order])

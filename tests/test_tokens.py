@@ -4,7 +4,7 @@ import torch
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.normalize import TokenCount
 from fastxtend_accum.test_utils import max_param_diff
-from textlm import text_learner, text_samples, text_dl, IGNORE
+from fastxtend_accum.test_utils import text_learner, text_samples, text_dl, IGNORE
 
 MICRO_BS,ACCUM_BS,N_EPOCH = 16,64,2 # 300 lines: micro-batches of 16 end with one of 12, windows of 64 with one of 44
 
