@@ -57,7 +57,7 @@ class WindowPlan:
         return len(self.starts)
     def __repr__(self): return f'{type(self).__name__}(n_windows={self.n_windows}, drop_from={self.drop_from})'
 
-# %% ../../nbs/callback.gradaccum.ipynb #acf0a7ee
+# %% ../../nbs/callback.gradaccum.ipynb #8f092306
 class GradientAccumulation(Callback):
     "Accumulate gradients over micro-batches and step once per `accum_bs` samples, with the exact large-batch gradient"
     order,run_valid = MixedPrecision.order-4,False # before `MixedPrecision`: only a window's last micro-batch reaches the scaler
@@ -90,7 +90,7 @@ class GradientAccumulation(Callback):
     def before_fit(self):
         "Start clean, even after a fit that was interrupted mid-window"
         self._abandon_window()
-        self.accumulating,self.n_steps,self.sync = True,0,None
+        self.accumulating,self.n_steps,self.sync,self._bn_checked = True,0,None,False
 
     def before_train(self):
         "Plan the epoch's windows from the loader's micro-batch sizes, where they are known ahead"
@@ -102,30 +102,32 @@ class GradientAccumulation(Callback):
 
     def before_batch(self):
         "Open a window if none is, count the micro-batch, and tell whether it closes the window"
+        learn = self.learn # read the Learner's attributes directly: `self.x` falls back to them through a slower lookup
         if not self.window_open: self._open_window()
-        self.learn.pct_train = self.window_pct # every micro-batch trains with the hyper-parameters of the window's first
-        n = self.mb_samples = find_bs(self.yb)
+        learn.pct_train = self.window_pct # every micro-batch trains with the hyper-parameters of the window's first
+        n = self.mb_samples = find_bs(learn.yb)
         # counts other than samples stay on the device (no sync), in float64 so that weights and correction cancel exactly
-        self.mb_items = n if self._by_samples else torch.as_tensor(self.counter(self.xb, self.yb), dtype=torch.float64)
-        if self.plan is not None and n != self.plan.sizes[self.iter]:
-            self._warn_once('plan', f"The training loader yielded a micro-batch of {n} samples where {self.plan.sizes[self.iter]} "
+        self.mb_items = n if self._by_samples else torch.as_tensor(self.counter(learn.xb, learn.yb), dtype=torch.float64)
+        if self.plan is not None and n != self.plan.sizes[learn.iter]:
+            self._warn_once('plan', f"The training loader yielded a micro-batch of {n} samples where {self.plan.sizes[learn.iter]} "
                             "were expected: windows stay exact, but progress is now counted in micro-batches")
             self.plan = None
-        full,last = self.n_samples + n >= self.window_bs,self.iter == self.n_iter-1
+        full,last = self.n_samples + n >= self.window_bs,learn.iter == learn.n_iter-1
         self.closes = full or (last and not self.drop_last) # windows never span epochs
         self._discard = last and not full and self.drop_last
         if self.sync is not None: self.sync.before_forward(self.closes) # DDP: all-reduce only in the window's last backward
 
     def before_backward(self):
         "Weight the micro-batch's loss by its items over the window's expected items"
+        learn = self.learn
         if self.ref is None: self.ref = self._window_ref()
         self.n_samples += self.mb_samples
         self.n_items = self.n_items + self.mb_items
-        loss = self.loss.detach()*self.mb_items
+        loss = learn.loss.detach()*self.mb_items
         # a micro-batch with no items (all padding) has a NaN mean loss: it adds nothing to the window's loss
         self.loss_sum = self.loss_sum + (loss if self._by_samples else torch.where(self.mb_items > 0, loss, 0.))
         w = self.mb_items/self.ref
-        self.learn.loss_grad = self.loss_grad * (w if self._by_samples else w.to(self.loss_grad.dtype))
+        learn.loss_grad = learn.loss_grad * (w if self._by_samples else w.to(learn.loss_grad.dtype))
         self.window_closed = self.closes
 
     def before_step(self):
@@ -147,7 +149,7 @@ class GradientAccumulation(Callback):
         if self.sync is not None: self.sync.after_backward()
         if not self.window_closed: return
         # the item-weighted mean over the window: the loss of the large batch it stands for
-        if self.log_accum_batch: self.learn.loss = (self.loss_sum/self.n_items).to(self.loss.dtype)
+        if self.log_accum_batch: self.learn.loss = (self.loss_sum/self.n_items).to(self.learn.loss.dtype)
         self.window_open = False
 
     def after_train(self):
@@ -226,7 +228,7 @@ class GradientAccumulation(Callback):
         for dt in {g.dtype for g in grads}: torch._foreach_mul_([g for g in grads if g.dtype == dt], scale.to(dt))
 
     @property
-    def _by_samples(self): return isinstance(self.counter, SampleCount)
+    def _by_samples(self): return type(self.counter) is SampleCount
 
     def _plan(self, sizes:list[int])->WindowPlan: return WindowPlan(sizes, self.accum_bs, self.drop_last)
 
@@ -245,7 +247,8 @@ class GradientAccumulation(Callback):
     def _grads(self): return [p.grad for p in self._learn.model.parameters() if p.grad is not None]
 
     def _check_bn(self):
-        if 'bn' in self._warned: return
+        if self._bn_checked: return # once per fit, at its first window (the model is in training mode by then)
+        self._bn_checked = True
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in self.model.modules()):
             self._warn_once('bn', "The model has BatchNorm layers in training mode: their batch statistics come from each "
                             "micro-batch, not from the accumulated batch (consider `GroupNorm`/`LayerNorm`, or frozen BatchNorm)")

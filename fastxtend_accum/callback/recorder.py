@@ -9,15 +9,25 @@ from fastai.callback.schedule import ParamScheduler
 from fastai.callback.progress import ProgressCallback
 
 # %% auto #0
-__all__ = ['accum_logger', 'fastai_method']
+__all__ = ['accum_callback', 'accum_logger', 'fastai_method']
 
-# %% ../../nbs/callback.recorder.ipynb #3fa63fba
-def accum_logger(learn:Learner):
+# %% ../../nbs/callback.recorder.ipynb #946f35ec
+def accum_callback(learn:Learner, # The Learner whose callbacks to look through
+                  ):
+    "The accumulation callback on `learn` that is inside a fit (training or validating), if any"
+    # `vars`, not `getattr`: on fastai's callbacks a missing attribute falls through to the Learner and its model, which
+    # costs tens of microseconds, and this runs for every micro-batch
+    return next((cb for cb in learn.cbs if vars(cb).get('accumulating')), None)
+
+# %% ../../nbs/callback.recorder.ipynb #978beccf
+def accum_logger(learn:Learner, # The Learner whose callbacks to look through
+                ):
     "The accumulation callback on `learn` that asks for one record per optimizer step while training, if any"
-    if not getattr(learn, 'training', False): return None
-    return next((cb for cb in learn.cbs if getattr(cb, 'log_accum_batch', False) and getattr(cb, 'accumulating', False)), None)
+    if not vars(learn).get('training'): return None
+    cb = accum_callback(learn)
+    return cb if cb is not None and cb.log_accum_batch else None
 
-# %% ../../nbs/callback.recorder.ipynb #9ffa6390
+# %% ../../nbs/callback.recorder.ipynb #9fbfbdb9
 def fastai_method(cls, # The class (or module) fastai defines `name` in
                   name:str, # The attribute a patch replaces
                  ):
@@ -30,7 +40,7 @@ _recorder_after_batch = fastai_method(Recorder, 'after_batch')
 _sched_after_batch = fastai_method(ParamScheduler, 'after_batch')
 _progress_after_batch = fastai_method(ProgressCallback, 'after_batch')
 
-# %% ../../nbs/callback.recorder.ipynb #e584d022
+# %% ../../nbs/callback.recorder.ipynb #d99dd411
 @patch
 def after_batch(self:Recorder):
     "Update metrics every micro-batch; record loss and lr once per optimizer step while accumulating"
@@ -44,14 +54,14 @@ def after_batch(self:Recorder):
         self.losses.append(self.smooth_loss.value)
     self.learn.smooth_loss = self.smooth_loss.value # defined from the first micro-batch on (`LRFinder` reads it every batch)
 
-# %% ../../nbs/callback.recorder.ipynb #64a97e11
+# %% ../../nbs/callback.recorder.ipynb #5253da54
 @patch
 def after_batch(self:ParamScheduler):
     "Record the hyper-parameters once per optimizer step while accumulating"
     cb = accum_logger(self.learn)
     if cb is None or cb.window_closed: _sched_after_batch(self)
 
-# %% ../../nbs/callback.recorder.ipynb #c29ea694
+# %% ../../nbs/callback.recorder.ipynb #78387c67
 @patch
 def after_batch(self:ProgressCallback):
     "Move the progress bar once per optimizer step while accumulating"
