@@ -1,0 +1,239 @@
+"""Overhead: the same training with no accumulation, fastai's `GradientAccumulation`, this library's, and a PyTorch loop.
+
+Every variant trains the same model (same start), on the same micro-batches (digits, 1,500 samples, micro-batches of 32),
+with fastai's Adam (its default optimizer) and with SGD (the cheapest step there is). fastai's loop without accumulation
+steps once per micro-batch; the accumulating variants step once per `accum_bs` samples. The variants run interleaved
+(ABCDEF ABCDEF ...), after a warm-up round, with a fixed number of torch threads; each repetition times whole `fit(n_epoch)` calls (training only: validation is cancelled). The loader slices
+batches out of tensors, so that the loop, not item-by-item collation, is what is timed.
+
+Importing fastxtend_accum patches `Recorder.after_batch` (and the scheduler's and progress bar's) for every `Learner` in
+the process. fastai's variants run with fastai's own methods put back while they train, so they are timed as fastai
+ships; `no accumulation, patched Recorder` shows what the patch costs a run that does not accumulate.
+
+Each run is timed in CPU time of the process and in wall-clock time; the targets are judged on CPU time, which on a
+shared machine leaves out the time other jobs hold the cores. Prints a table and one `RATIO` line per comparison (median
+over repetitions of the ratio measured side by side, with its min and max, and the extra time per micro-batch), and
+writes `results/overhead.json` and `overhead.md`."""
+from __future__ import annotations
+import argparse, gc, sys, time, warnings
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import *
+
+import torch
+from torch import nn
+from contextlib import contextmanager, nullcontext
+from fastai.basics import Adam, Callback, Learner, Recorder, SGD, noop
+from fastai.callback.schedule import ParamScheduler
+from fastai.callback.progress import ProgressCallback
+from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
+from fastxtend_accum.callback.gradaccum import GradientAccumulation
+
+NO_ACCUM = 'no accumulation'
+NO_ACCUM_PATCHED = 'no accumulation, patched Recorder'
+FASTAI = 'fastai GradientAccumulation'
+OURS = 'fastxtend_accum'
+OURS_LOG = f'{OURS} (log_accum_batch=True)'
+OURS_NOLOG = f'{OURS} (log_accum_batch=False)'
+TORCH = 'PyTorch loop (accumulation)'
+VARIANTS = [NO_ACCUM, NO_ACCUM_PATCHED, FASTAI, OURS_LOG, OURS_NOLOG, TORCH]
+# (variant, reference, target): the variant's time over the reference's, measured side by side; None: no target, shown
+COMPARISONS = [(OURS_LOG, FASTAI, 1.02), (OURS_NOLOG, FASTAI, 1.02), (OURS_LOG, NO_ACCUM, 1.0), (OURS_NOLOG, NO_ACCUM, 1.0),
+               (FASTAI, NO_ACCUM, None), (OURS_LOG, OURS_NOLOG, None), (NO_ACCUM_PATCHED, NO_ACCUM, None),
+               (TORCH, NO_ACCUM, None)]
+
+MODELS = {'mlp': ('MLP 64-128-128-10', lambda: mlp(128, 2), False),
+          'cnn': ('CNN conv(1->16, 3x3) conv(16->32, 3x3, stride 2) linear(512->10) on 1x8x8', lambda: cnn(16), True)}
+
+PATCHED = (Recorder, ParamScheduler, ProgressCallback) # `fastxtend_accum.callback.recorder` patches their `after_batch`
+
+@contextmanager
+def fastai_as_shipped():
+    "fastai's own `after_batch` methods while inside, as in a process that never imported fastxtend_accum"
+    swapped = [(cls, k[len('_fastai_'):], cls.__dict__[k[len('_fastai_'):]], v) for cls in PATCHED
+               for k,v in list(cls.__dict__.items()) if k.startswith('_fastai_')]
+    for cls,name,_,orig in swapped: setattr(cls, name, orig)
+    try: yield len(swapped)
+    finally:
+        for cls,name,patched,_ in swapped: setattr(cls, name, patched)
+
+def torch_adam(params, lr):
+    "PyTorch's optimizer with fastai `Adam`'s arithmetic: betas (0.9,0.99), eps 1e-5, decoupled weight decay 0.01 except on biases"
+    ps = list(params)
+    groups = [dict(params=[p for p in ps if p.ndim > 1]), dict(params=[p for p in ps if p.ndim <= 1], weight_decay=0.)]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9,0.99), eps=1e-5, weight_decay=0.01)
+
+# fastai's optimizer, the PyTorch one that does the same arithmetic, the learning rate
+OPTS = {'adam': (Adam, torch_adam, 1e-3),
+        'sgd': (SGD, lambda ps, lr: torch.optim.SGD(ps, lr=lr), 0.1)}
+
+class StepCounter(Callback):
+    "Count the optimizer steps (`after_step` only runs when the step was taken); used in the warm-up round only"
+    def before_fit(self): self.n = 0
+    def after_step(self): self.n += 1
+
+def learner(model, x, y, bs, cb=None, opt='adam'):
+    "A fastai `Learner` on the tensor loader, no progress bar, no printing, no validation"
+    opt_func,_,lr = OPTS[opt]
+    learn = Learner(dls_of(x, y, bs), model, loss_func=nn.CrossEntropyLoss(), opt_func=opt_func, lr=lr,
+                    cbs=[skip_validation()] + ([cb] if cb is not None else []))
+    learn.remove_cb(ProgressCallback)
+    learn.logger = noop
+    return learn
+
+def torch_loop(model, opt, x, y, bs, accum_bs, n_epoch):
+    "Hand-written accumulation: each micro-batch's loss weighted by its share of `accum_bs`, one step per window"
+    loss_func,n = nn.CrossEntropyLoss(),len(x)
+    for _ in range(n_epoch):
+        model.train()
+        n_seen = 0
+        for i in range(0, n, bs):
+            xb,yb = x[i:i+bs],y[i:i+bs]
+            loss = loss_func(model(xb), yb)
+            (loss*(len(yb)/accum_bs)).backward()
+            n_seen += len(yb)
+            if n_seen >= accum_bs or i+bs >= n: # windows close at accum_bs samples, or at the end of the epoch
+                if n_seen != accum_bs: # a short (or overfull) window: make it the mean over its samples
+                    for p in model.parameters(): p.grad.mul_(accum_bs/n_seen)
+                opt.step(); opt.zero_grad(); n_seen = 0
+
+def make_runners(make_model, x, y, micro_bs, accum_bs, n_epoch, opt):
+    "For each variant: (run, its model, its `Learner`) with every model at the same start"
+    init = make_model().state_dict()
+    runners = {}
+    def fastai_runner(cb, as_shipped=False):
+        learn = learner(make_model(), x, y, micro_bs, cb, opt)
+        def run(cbs=None):
+            learn.model.load_state_dict(init) # same start every time (in place: the optimizer keeps its parameters)
+            with fastai_as_shipped() if as_shipped else nullcontext(): learn.fit(n_epoch, cbs=cbs)
+        return run,learn.model,learn
+    # fastai's variants run with fastai's own Recorder: what a user without this library gets
+    runners[NO_ACCUM] = fastai_runner(None, as_shipped=True)
+    runners[NO_ACCUM_PATCHED] = fastai_runner(None)
+    runners[FASTAI] = fastai_runner(FastaiGradientAccumulation(accum_bs), as_shipped=True)
+    runners[OURS_LOG] = fastai_runner(GradientAccumulation(accum_bs, log_accum_batch=True))
+    runners[OURS_NOLOG] = fastai_runner(GradientAccumulation(accum_bs, log_accum_batch=False))
+    _,torch_opt,lr = OPTS[opt]
+    model = make_model(); topt = torch_opt(model.parameters(), lr)
+    def run_torch():
+        model.load_state_dict(init)
+        torch_loop(model, topt, x, y, micro_bs, accum_bs, n_epoch)
+    runners[TORCH] = (run_torch,model,None)
+    return runners
+
+def max_diff(a, b): return max((p-q).abs().max().item() for p,q in zip(a.parameters(), b.parameters()))
+
+def bench_model(key, opt, reps, n_epoch, micro_bs, accum_bs, n_train):
+    desc,make_model,image = MODELS[key]
+    x,y = digits_tensors(n_train, image=image)
+    runners = make_runners(make_model, x, y, micro_bs, accum_bs, n_epoch, opt)
+    n_micro = -(-n_train//micro_bs)
+    # warm-up round (untimed), which also checks that the variants train as they say
+    steps = {}
+    for name in VARIANTS:
+        if runners[name][2] is None: runners[name][0](); continue
+        counter = StepCounter()
+        runners[name][0](cbs=counter)
+        steps[name] = counter.n//n_epoch
+    with fastai_as_shipped() as n_swapped: pass
+    sanity = {'micro-batches per epoch': n_micro, 'optimizer steps per epoch': steps,
+              'loss records per fit (log_accum_batch True, False)': [len(runners[v][2].recorder.losses) for v in (OURS_LOG, OURS_NOLOG)],
+              "patched methods put back for fastai's variants": n_swapped,
+              f'max |param diff| {OURS} vs {TORCH}': max_diff(runners[OURS_LOG][1], runners[TORCH][1]),
+              f'max |param diff| log_accum_batch True vs False': max_diff(runners[OURS_LOG][1], runners[OURS_NOLOG][1]),
+              f'max |param diff| {OURS} vs {FASTAI}': max_diff(runners[OURS_LOG][1], runners[FASTAI][1])}
+    wall,cpu = {name: [] for name in VARIANTS},{name: [] for name in VARIANTS}
+    for _ in range(reps): # interleaved: ABCDEF ABCDEF ...
+        for name in VARIANTS:
+            run = runners[name][0]
+            gc.collect()
+            w0,c0 = time.perf_counter(),time.process_time()
+            run()
+            c1,w1 = time.process_time(),time.perf_counter()
+            wall[name].append(w1-w0); cpu[name].append(c1-c0)
+    n_mb = n_epoch*n_micro
+    variants = {}
+    for name in VARIANTS:
+        c,w = spread(cpu[name]),spread(wall[name])
+        variants[name] = dict(cpu_s=cpu[name], wall_s=wall[name], **{f'cpu_{k}_s': v for k,v in c.items()},
+                              **{f'wall_{k}_s': v for k,v in w.items()}, us_per_micro_batch=c['median']/n_mb*1e6)
+    ratios = []
+    for a,b,target in COMPARISONS:
+        r = spread(ta/tb for ta,tb in zip(cpu[a], cpu[b]))
+        extra = statistics.median(ta-tb for ta,tb in zip(cpu[a], cpu[b]))/n_mb*1e6
+        ratios.append(dict(variant=a, reference=b, metric='cpu', **r, best_of=min(cpu[a])/min(cpu[b]),
+                           extra_us_per_micro_batch=extra, wall=spread(ta/tb for ta,tb in zip(wall[a], wall[b])),
+                           target=target, met=None if target is None else r['median'] <= target))
+    n_params = sum(p.numel() for p in runners[NO_ACCUM][1].parameters())
+    return dict(model=desc, opt=opt, lr=OPTS[opt][2], n_params=n_params, n_train=n_train, micro_bs=micro_bs,
+                accum_bs=accum_bs, n_epoch=n_epoch, micro_batches_per_epoch=n_micro, variants=variants, ratios=ratios, sanity=sanity)
+
+def ratio_line(key, r)->str:
+    t = '' if r['target'] is None else f" target <= {r['target']:.2f}: {'met' if r['met'] else 'NOT met'}"
+    w = r['wall']
+    return (f"RATIO {key}: {r['variant']} / {r['reference']} = {r['median']:.3f}x CPU time "
+            f"[min {r['min']:.3f}, max {r['max']:.3f}] (best-of {r['best_of']:.3f}x; {r['extra_us_per_micro_batch']:+.0f} us "
+            f"per micro-batch; wall {w['median']:.3f}x [{w['min']:.3f}, {w['max']:.3f}]){t}")
+
+def report(res:dict)->tuple[str,str]:
+    "The printed text and the markdown"
+    cfg = res['config']
+    head = (f"Overhead: {cfg['reps']} interleaved repetitions of fit({cfg['n_epoch']}) per variant after a warm-up round, "
+            f"{cfg['n_train']} digits samples, micro-batches of {cfg['micro_bs']}, accum_bs={cfg['accum_bs']}, "
+            f"float32, {cfg['threads']} torch thread(s). Times are the process's CPU time (wall-clock time beside it): "
+            f"on a shared machine it leaves out the time other jobs hold the cores, and a training loop on one thread does "
+            f"not wait for anything else. Medians [min, max] over repetitions; ratios are medians [min, max] of the "
+            f"per-repetition ratios (best-of: fastest over fastest); targets are judged on the CPU-time median.")
+    text,md = [head, ''],[f"## Overhead\n\n{head}\n\nMachine: {describe(res['machine'])}\n"]
+    headers = ['variant', 'CPU s', 'min', 'max', 'wall s', 'us / micro-batch', 'x no accum', 'x fastai accum']
+    for key,m in res['models'].items():
+        ratio = {(r['variant'],r['reference']): r for r in m['ratios']}
+        def rel(a, b):
+            if a == b: return '1'
+            r = ratio.get((a,b))
+            if r is None: r = spread(ta/tb for ta,tb in zip(m['variants'][a]['cpu_s'], m['variants'][b]['cpu_s']))
+            return f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]"
+        rows = [[name, f"{v['cpu_median_s']:.3f}", f"{v['cpu_min_s']:.3f}", f"{v['cpu_max_s']:.3f}", f"{v['wall_median_s']:.3f}",
+                 f"{v['us_per_micro_batch']:.0f}",
+                 rel(name, NO_ACCUM), rel(name, FASTAI)] for name,v in m['variants'].items()]
+        title = (f"{key}: {m['model']} ({m['n_params']:,} parameters), {m['opt']} lr={m['lr']}, "
+                 f"{m['micro_batches_per_epoch']} micro-batches per epoch")
+        text += [title, text_table(headers, rows), '']
+        md += [f"### {title}\n", md_table(headers, rows), '']
+        lines = [ratio_line(key, r) for r in m['ratios']]
+        checks = [f"{k}: {v}" if not isinstance(v, float) else f"{k}: {v:.2e}" for k,v in m['sanity'].items()]
+        text += lines + ['check ' + c for c in checks] + ['']
+        md += ['```'] + lines + ['```', ''] + [f"- {c}" for c in checks] + ['']
+    return '\n'.join(text),'\n'.join(md)
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--quick', action='store_true', help='a few seconds: 2 repetitions of 1 epoch, Adam only (smoke test)')
+    p.add_argument('--reps', type=int, default=None, help='timed repetitions per variant (default 21, quick 2)')
+    p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 2, quick 1)')
+    p.add_argument('--micro-bs', type=int, default=32)
+    p.add_argument('--accum-bs', type=int, default=128)
+    p.add_argument('--n-train', type=int, default=1500)
+    p.add_argument('--threads', type=int, default=1)
+    p.add_argument('--models', default='mlp,cnn')
+    p.add_argument('--opts', default=None, help="default adam,sgd: fastai's Adam (its default) and SGD (the cheapest step); quick: adam")
+    p.add_argument('--out', type=Path, default=RESULTS, help='where overhead.json/.md go')
+    a = p.parse_args(argv)
+    reps = a.reps or (2 if a.quick else 21)
+    n_epoch = a.epochs or (1 if a.quick else 2)
+    set_threads(a.threads)
+    info = machine()
+    res = dict(benchmark='overhead', machine=info, config=dict(reps=reps, n_epoch=n_epoch, micro_bs=a.micro_bs,
+               accum_bs=a.accum_bs, n_train=a.n_train, threads=a.threads, quick=a.quick), models={})
+    start = time.perf_counter()
+    for key in a.models.split(','):
+        for opt in (a.opts or ('adam' if a.quick else 'adam,sgd')).split(','):
+            res['models'][f'{key}/{opt}'] = bench_model(key, opt, reps, n_epoch, a.micro_bs, a.accum_bs, a.n_train)
+    res['seconds'] = time.perf_counter()-start
+    res['targets_met'] = all(r['met'] for m in res['models'].values() for r in m['ratios'] if r['met'] is not None)
+    text,md = report(res)
+    print(text)
+    path = write_results('overhead', res, md, a.out)
+    print(f"wrote {path} and {path.with_suffix('.md')} ({res['seconds']:.0f} s)")
+
+if __name__ == '__main__': main()

@@ -1,0 +1,94 @@
+"""Smoke test of the benchmarks: `bench/overhead.py --quick` and `bench/memory.py --quick` run, print their ratio lines
+and write their JSON; `bench/run.py --no-run` builds the README and the plots from them. No timing or memory target is
+asserted here: the targets are judged in the benchmarks' own output (`make bench`), on a quiet machine."""
+import json, os, re, subprocess, sys
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT/'bench'
+NUM = r'(\d+\.\d+)x'
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    "Both quick benchmarks, run side by side, writing into a temporary folder (never into bench/results)"
+    out = tmp_path_factory.mktemp('bench')
+    env = dict(os.environ, PYTHONWARNINGS='ignore', MPLBACKEND='Agg')
+    procs = {name: subprocess.Popen([sys.executable, str(BENCH/f'{name}.py'), '--quick', '--out', str(out)], cwd=ROOT,
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in ('overhead', 'memory')}
+    res = {}
+    for name,p in procs.items():
+        try: stdout,stderr = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill(); stdout,stderr = p.communicate()
+        res[name] = (p.returncode, stdout, stderr)
+    return out,res
+
+def ratio_lines(stdout):
+    return [l for l in stdout.splitlines() if l.startswith('RATIO ')]
+
+def test_overhead_quick(runs):
+    out,res = runs
+    rc,stdout,stderr = res['overhead']
+    assert rc == 0, stderr[-3000:]
+    lines = ratio_lines(stdout)
+    for key in ('mlp/adam', 'cnn/adam'):
+        for variant,ref in [('fastxtend_accum (log_accum_batch=True)', 'fastai GradientAccumulation'),
+                            ('fastxtend_accum (log_accum_batch=False)', 'fastai GradientAccumulation'),
+                            ('fastxtend_accum (log_accum_batch=True)', 'no accumulation'),
+                            ('PyTorch loop (accumulation)', 'no accumulation')]:
+            hits = [l for l in lines if l.startswith(f'RATIO {key}: {variant} / {ref} = ')]
+            assert len(hits) == 1, f'no ratio line for {key}: {variant} / {ref} in:\n' + '\n'.join(lines)
+            m = re.search(rf'= {NUM} CPU time \[min (\d+\.\d+), max (\d+\.\d+)\] \(best-of {NUM}; [+-]\d+ us per micro-batch; '
+                          rf'wall {NUM} \[\d+\.\d+, \d+\.\d+\]\)', hits[0])
+            assert m and float(m[2]) <= float(m[1]) <= float(m[3]) and float(m[1]) > 0, hits[0]
+    data = json.loads((out/'overhead.json').read_text())
+    assert (out/'overhead.md').read_text().startswith('## Overhead')
+    assert data['benchmark'] == 'overhead' and data['config']['quick'] and data['machine']['torch_threads'] == 1
+    for key in ('mlp/adam', 'cnn/adam'):
+        m = data['models'][key]
+        assert set(m['variants']) == {'no accumulation', 'no accumulation, patched Recorder', 'fastai GradientAccumulation',
+                                      'fastxtend_accum (log_accum_batch=True)', 'fastxtend_accum (log_accum_batch=False)',
+                                      'PyTorch loop (accumulation)'}
+        assert all(len(v['cpu_s']) == len(v['wall_s']) == 2 and min(v['cpu_s']) > 0 and min(v['wall_s']) > 0
+                   for v in m['variants'].values())
+        # the variants train as they say: 47 micro-batches, 12 steps (fastai's: 11, its short last window waits for the
+        # next epoch); the same parameters as the hand-written loop
+        s = m['sanity']
+        assert s['micro-batches per epoch'] == 47
+        assert s['optimizer steps per epoch'] == {'no accumulation': 47, 'no accumulation, patched Recorder': 47,
+            'fastai GradientAccumulation': 11, 'fastxtend_accum (log_accum_batch=True)': 12, 'fastxtend_accum (log_accum_batch=False)': 12}
+        assert s['loss records per fit (log_accum_batch True, False)'] == [12, 47]
+        assert s["patched methods put back for fastai's variants"] == 3
+        assert s['max |param diff| fastxtend_accum vs PyTorch loop (accumulation)'] < 1e-5
+        assert s['max |param diff| fastxtend_accum vs fastai GradientAccumulation'] > 1e-4 # fastai's last window is not a mean
+
+def test_memory_quick(runs):
+    out,res = runs
+    rc,stdout,stderr = res['memory']
+    assert rc == 0, stderr[-3000:]
+    lines = ratio_lines(stdout)
+    for variant,ref in [('fastxtend_accum', 'micro-batches, no accumulation'), ('large batch', 'micro-batches, no accumulation'),
+                        ('fastai GradientAccumulation', 'micro-batches, no accumulation')]:
+        hits = [l for l in lines if l.startswith(f'RATIO mlp: {variant} / {ref} = ')]
+        assert len(hits) == 1, '\n'.join(lines)
+        assert re.search(rf'= {NUM} peak increase \[min \d+\.\d+, max \d+\.\d+\] \({NUM} absolute peak\)', hits[0]), hits[0]
+    data = json.loads((out/'memory.json').read_text())
+    assert (out/'memory.md').read_text().startswith('## Memory')
+    m = data['models']['mlp']
+    v = m['variants']
+    assert v['large batch']['micro_bs'] == 1024 and v['fastxtend_accum']['micro_bs'] == 256
+    assert all(o['peak_mb_median'] > 0 and len(o['increase_mb']) == 1 for o in v.values())
+    # the measure sees activations at all: a batch 4x larger needs clearly more memory (not a timing target)
+    assert v['large batch']['increase_mb_median'] > 1.5*v['micro-batches, no accumulation']['increase_mb_median']
+
+def test_run_builds_readme_and_plots(runs):
+    out,_ = runs
+    p = subprocess.run([sys.executable, str(BENCH/'run.py'), '--no-run', '--out', str(out)], cwd=ROOT,
+                       env=dict(os.environ, MPLBACKEND='Agg'), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    readme = (out/'README.md').read_text()
+    for s in ('# Benchmarks', '**Machine:**', 'torch ', 'fastai ', '## Targets', '## Overhead', '## Memory', '![overhead](overhead.png)'):
+        assert s in readme, s
+    for png in ('overhead.png', 'memory.png'): assert (out/png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
