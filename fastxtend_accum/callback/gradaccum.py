@@ -57,7 +57,7 @@ class WindowPlan:
         return len(self.starts)
     def __repr__(self): return f'{type(self).__name__}(n_windows={self.n_windows}, drop_from={self.drop_from})'
 
-# %% ../../nbs/callback.gradaccum.ipynb #8f092306
+# %% ../../nbs/callback.gradaccum.ipynb #5d31c2c4
 class GradientAccumulation(Callback):
     "Accumulate gradients over micro-batches and step once per `accum_bs` samples, with the exact large-batch gradient"
     order,run_valid = MixedPrecision.order-4,False # before `MixedPrecision`: only a window's last micro-batch reaches the scaler
@@ -74,6 +74,15 @@ class GradientAccumulation(Callback):
         self.normalize_by,self.counter = normalize_by,item_counter(normalize_by)
         self.accumulating,self.window_open,self.window_closed,self.plan,self.sync = False,False,False,None,None
         self._warned = set()
+
+    # the callback's own state, set on every micro-batch: fastai's `Callback.__setattr__` checks each name against the
+    # Learner (and, through it, the model) for shadowing, a lookup that would cost more than the rest of the callback
+    _state = frozenset('accumulating window_open window_closed plan sync n_steps i_window window_bs window_pct closes '
+                       'mb_samples mb_items n_samples n_items loss_sum ref _discard _skipped_tail _bn_checked'.split())
+    def __setattr__(self, name, value):
+        "Set an attribute (the callback's own state without fastai's shadowing check)"
+        if name in self._state: object.__setattr__(self, name, value)
+        else: super().__setattr__(name, value)
 
     @property
     def learn(self):
