@@ -40,19 +40,24 @@ _recorder_after_batch = fastai_method(Recorder, 'after_batch')
 _sched_after_batch = fastai_method(ParamScheduler, 'after_batch')
 _progress_after_batch = fastai_method(ProgressCallback, 'after_batch')
 
-# %% ../../nbs/callback.recorder.ipynb #d99dd411
+# %% ../../nbs/callback.recorder.ipynb #29c9c3d8
 @patch
 def after_batch(self:Recorder):
     "Update metrics every micro-batch; record loss and lr once per optimizer step while accumulating"
-    cb = accum_logger(self.learn)
+    learn = self.learn
+    cb = accum_logger(learn)
     if cb is None: return _recorder_after_batch(self)
-    if len(self.yb) == 0: return
-    for met in self._train_mets[1:]: met.accumulate(self.learn) # train metrics see every micro-batch
+    if len(learn.yb) == 0: return
+    # fastai's `_train_mets` minus the smoothed loss, without building `L`s on every micro-batch
+    if self.train_metrics and not getattr(self, 'cancel_train', False):
+        for met in learn.metrics: met.accumulate(learn) # train metrics see every micro-batch
+    sl = self.smooth_loss
     if cb.window_closed:
-        self.smooth_loss.accumulate(self.learn) # `learn.loss` is the window's loss here
-        self.lrs.append(self.opt.hypers[-1]['lr'])
-        self.losses.append(self.smooth_loss.value)
-    self.learn.smooth_loss = self.smooth_loss.value # defined from the first micro-batch on (`LRFinder` reads it every batch)
+        sl.accumulate(learn) # `learn.loss` is the window's loss here
+        self.lrs.append(learn.opt.hypers[-1]['lr'])
+        self.losses.append(sl.value)
+        learn.smooth_loss = self.losses[-1]
+    elif sl.count == 0: learn.smooth_loss = sl.value # defined from the first micro-batch on (`LRFinder` reads it every batch)
 
 # %% ../../nbs/callback.recorder.ipynb #5253da54
 @patch
