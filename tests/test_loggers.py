@@ -160,10 +160,10 @@ def test_without_accumulation(tmp_path):
     assert not any('accum_bs' in r for r in rows) and 'accum_bs' not in tb
     assert len(tb['train_loss']) == 32 + len(learn.dls.valid)
 
-def test_no_torchvision():
-    "The loggers import `fastai.callback.tensorboard`, which imports `fastai.vision.core`/`.data` but never torchvision"
-    code = ("import sys, fastxtend_accum.callback.loggers as l; "
-            "print(l.WandbCallback is not None, l.TensorBoardCallback is not None, "
-            "sorted(m for m in sys.modules if m.split('.')[0] == 'torchvision' or m.startswith('fastai.vision')))")
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "True True ['fastai.vision', 'fastai.vision.core', 'fastai.vision.data']", out
+def test_no_vision_import():
+    """The library imports neither fastai.vision, torchvision nor wandb; fastai's own TensorBoard module, which users import
+    to log, brings `fastai.vision.core`/`.data` but never torchvision"""
+    code = ("import sys; vis = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('torchvision', 'wandb') or m.startswith('fastai.vision')); "
+            "import fastxtend_accum.all; print(vis()); import fastai.callback.tensorboard; print(vis())")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.strip().split('\n')
+    assert out == ["[]", "['fastai.vision', 'fastai.vision.core', 'fastai.vision.data']"], out
