@@ -6,6 +6,7 @@ from fastai.callback.training import GradientClip
 from fastai.callback.progress import ProgressCallback
 from fastxtend_accum.all import *
 from fastxtend_accum.test_utils import *
+from helpers import assert_same_training, no_grads, CPUMixedPrecision, Overflow
 
 N_TRAIN = 1500 # 1500 = 23*64 + 28: every epoch ends with a short micro-batch and a short window
 
@@ -17,15 +18,6 @@ def run(bs, cbs=None, n_epoch=2, one_cycle=False, opt_func=SGD, extra=None, **kw
         if one_cycle: learn.fit_one_cycle(n_epoch, lr, cbs=extra)
         else: learn.fit(n_epoch, cbs=extra)
     return learn
-
-def assert_same_training(large, accum, eps=1e-8):
-    "Same parameters, same per-step losses, lrs and epoch records"
-    assert max_param_diff(large, accum) < eps
-    test_eq(len(accum.recorder.losses), len(large.recorder.losses))
-    test_close(torch.stack(accum.recorder.losses), torch.stack(large.recorder.losses), eps=1e-10)
-    test_close(accum.recorder.lrs, large.recorder.lrs, eps=1e-12)
-    test_eq(accum.recorder.iters, large.recorder.iters)
-    for a,b in zip(accum.recorder.values, large.recorder.values): test_close(a, b, eps=1e-10)
 
 # micro_bs, accum_bs, large_bs, loader kwargs for both runs
 CASES = {
@@ -46,7 +38,8 @@ def test_equals_large_batch(case, one_cycle, opt_func):
         accum = run(micro, GradientAccumulation(accum_bs), one_cycle=one_cycle, opt_func=opt_func, **kw)
     large = run(large_bs, one_cycle=one_cycle, opt_func=opt_func, **kw)
     assert_same_training(large, accum)
-    if opt_func is SGD and not one_cycle: test_close(accum.recorder.hps if hasattr(accum.recorder,'hps') else 0, large.recorder.hps if hasattr(large.recorder,'hps') else 0)
+    if one_cycle: # every scheduled hyper-parameter, step by step
+        for k in ('lr','mom'): test_close(accum.recorder.hps[k], large.recorder.hps[k], eps=1e-12)
 
 @pytest.mark.parametrize('one_cycle', [False, True])
 def test_drop_last(one_cycle):
@@ -114,32 +107,6 @@ def test_progress_bar_counts_steps():
     with learn.no_logging(): learn.fit(1, cbs=Watch())
     test_eq(seen, [(i, 24) for i in range(1, 25)]) # once per optimizer step, and the bar ends full
 
-class CPUMixedPrecision(MixedPrecision):
-    "fastai's `MixedPrecision` with CPU autocast and a CPU `GradScaler`, counting scaler steps and updates"
-    def before_fit(self):
-        dtype = torch.bfloat16 if self.amp_mode == AMPMode.BF16 else torch.float16
-        self.autocast = torch.autocast('cpu', dtype=dtype, enabled=self.kwargs.pop('autocast', True))
-        self.learn.scaler = torch.amp.GradScaler('cpu', enabled=dtype == torch.float16, **self.kwargs)
-        self.scales,self.n_unscale,self.n_update = L(),0,0
-    def before_step(self):
-        self.n_unscale += 1
-        super().before_step()
-    def after_step(self):
-        self.n_update += 1
-        super().after_step()
-    def after_pred(self):
-        if self.autocast._enabled: super().after_pred() # fastai casts preds to float32; keep float64 when not autocasting
-    def after_fit(self): self.autocast = None
-
-class Overflow(Callback):
-    "Put an inf in a gradient after the backward of training batch `at` (counted in samples seen)"
-    order = MixedPrecision.order-1
-    def __init__(self, at): self.at,self.seen = at,0
-    def before_fit(self): self.seen = 0
-    def after_backward(self):
-        if self.seen <= self.at < self.seen+find_bs(self.yb): next(self.model.parameters()).grad[0,0] = float('inf')
-        self.seen += find_bs(self.yb)
-
 def test_fp16_scaler_once_per_window():
     "Loss scaling (exact powers of two) keeps float64 training exact; one unscale/step/update per window"
     mp = lambda: CPUMixedPrecision(init_scale=2.**10, growth_interval=5, autocast=False)
@@ -157,7 +124,7 @@ def test_fp16_overflow_skips_the_window():
     large = run(64, [mp(), Overflow(64*5+20)])
     assert max_param_diff(large, accum) < 1e-8
     test_eq(len(accum.cpu_mixed_precision.scales), 47) # 48 windows, one skipped
-    test_eq(accum.learn.scaler.get_scale() if hasattr(accum,'learn') else accum.scaler.get_scale(), 2.**9)
+    test_eq(accum.scaler.get_scale(), 2.**9) # halved once, for the one overflow
     assert all((p.grad is None) or (p.grad == 0).all() for p in accum.model.parameters())
 
 def test_bf16_autocast_runs():
@@ -206,8 +173,6 @@ class Boom(Callback):
     "Raise in the middle of the first epoch's 3rd window"
     def after_backward(self):
         if self.training and self.iter == 9: raise RuntimeError('boom')
-
-def no_grads(learn): return all(p.grad is None or (p.grad == 0).all() for p in learn.model.parameters())
 
 def test_exception_mid_window_with_fit_cbs():
     learn = digits_learner(16)

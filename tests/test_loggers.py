@@ -15,13 +15,6 @@ from fastxtend_accum.callback.schedule import GradientAccumulationSchedule
 import fastxtend_accum.callback.loggers  # the patches
 from fastxtend_accum.test_utils import digits_learner
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    "Tiny float64 models: a second intra-op thread only adds overhead, and stalls on a shared CPU"
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 # ---- reading an offline W&B run: the `.wandb` file is a LevelDB-style log of `wandb_internal_pb2.Record`s ----
 _BLOCK,_HDR = 32768,7
 

@@ -8,6 +8,7 @@ from fastai.data.load import DataLoader as FastaiDataLoader
 from fastxtend_accum.all import *
 from fastxtend_accum.callback.microbatch import *
 from fastxtend_accum.test_utils import *
+from helpers import assert_same_training, no_grads, CPUMixedPrecision, Overflow
 
 # --- scaffolding ---
 
@@ -50,34 +51,6 @@ def fit(learn, n_epoch=2, one_cycle=False, extra=None):
         if one_cycle: learn.fit_one_cycle(n_epoch, lr, cbs=extra)
         else: learn.fit(n_epoch, lr, cbs=extra)
     return learn
-
-def assert_same_training(large, micro, eps=1e-8):
-    "Same parameters, same per-step losses, lrs and epoch records"
-    assert max_param_diff(large, micro) < eps
-    test_eq(len(micro.recorder.losses), len(large.recorder.losses))
-    test_close(torch.stack(micro.recorder.losses), torch.stack(large.recorder.losses), eps=1e-10)
-    test_close(micro.recorder.lrs, large.recorder.lrs, eps=1e-12)
-    test_eq(micro.recorder.iters, large.recorder.iters)
-    for a,b in zip(micro.recorder.values, large.recorder.values): test_close(a, b, eps=1e-10)
-
-def no_grads(learn): return all(p.grad is None or (p.grad == 0).all() for p in learn.model.parameters())
-
-class CPUMixedPrecision(MixedPrecision):
-    "fastai's `MixedPrecision` with CPU autocast and a CPU `GradScaler`, counting unscales and updates"
-    def before_fit(self):
-        dtype = torch.bfloat16 if self.amp_mode == AMPMode.BF16 else torch.float16
-        self.autocast = torch.autocast('cpu', dtype=dtype, enabled=self.kwargs.pop('autocast', True))
-        self.learn.scaler = torch.amp.GradScaler('cpu', enabled=dtype == torch.float16, **self.kwargs)
-        self.scales,self.n_unscale,self.n_update = L(),0,0
-    def before_step(self):
-        self.n_unscale += 1
-        super().before_step()
-    def after_step(self):
-        self.n_update += 1
-        super().after_step()
-    def after_pred(self):
-        if self.autocast._enabled: super().after_pred()
-    def after_fit(self): self.autocast = None
 
 # --- exactness with a fixed size ---
 
@@ -220,15 +193,6 @@ def test_fp16_scaler_once_per_batch():
     assert max_param_diff(large, auto) < 1e-8
     test_eq(auto.cpu_mixed_precision.n_unscale, 48); test_eq(auto.cpu_mixed_precision.n_update, 48)
     test_eq(auto.cpu_mixed_precision.scales, large.cpu_mixed_precision.scales) # the scale grew at the same steps
-
-class Overflow(Callback):
-    "Put an inf in a gradient after the backward that covers training sample `at` (counted in samples that went through)"
-    order = MixedPrecision.order-1
-    def __init__(self, at): self.at,self.seen = at,0
-    def before_fit(self): self.seen = 0
-    def after_backward(self):
-        if self.seen <= self.at < self.seen+find_bs(self.yb): next(self.model.parameters()).grad[0,0] = float('inf')
-        self.seen += find_bs(self.yb)
 
 def test_fp16_overflow_skips_the_whole_batch():
     mp = lambda: CPUMixedPrecision(init_scale=2.**10, growth_interval=1000, autocast=False)

@@ -12,13 +12,6 @@ from fastxtend_accum.test_utils import digits_data, digits_mlp, digits_learner, 
 
 MBS = 16
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    "Tiny float64 models: a second intra-op thread only adds overhead, and stalls on a shared CPU"
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 class WindowLog(Callback):
     "(epoch, first micro-batch, samples, target) of every window that closes"

@@ -1,0 +1,41 @@
+"Test scaffolding shared by the test files: comparing two runs, CPU mixed precision, an injected fp16 overflow"
+from fastai.basics import *
+from fastai.callback.fp16 import MixedPrecision, AMPMode
+from fastxtend_accum.test_utils import max_param_diff
+
+def assert_same_training(large, other, eps=1e-8):
+    "Same parameters, same per-step losses, lrs and epoch records"
+    assert max_param_diff(large, other) < eps
+    test_eq(len(other.recorder.losses), len(large.recorder.losses))
+    test_close(torch.stack(other.recorder.losses), torch.stack(large.recorder.losses), eps=1e-10)
+    test_close(other.recorder.lrs, large.recorder.lrs, eps=1e-12)
+    test_eq(other.recorder.iters, large.recorder.iters)
+    for a,b in zip(other.recorder.values, large.recorder.values): test_close(a, b, eps=1e-10)
+
+def no_grads(learn): return all(p.grad is None or (p.grad == 0).all() for p in learn.model.parameters())
+
+class CPUMixedPrecision(MixedPrecision):
+    "fastai's `MixedPrecision` with CPU autocast and a CPU `GradScaler`, counting scaler steps (unscales) and updates"
+    def before_fit(self):
+        dtype = torch.bfloat16 if self.amp_mode == AMPMode.BF16 else torch.float16
+        self.autocast = torch.autocast('cpu', dtype=dtype, enabled=self.kwargs.pop('autocast', True))
+        self.learn.scaler = torch.amp.GradScaler('cpu', enabled=dtype == torch.float16, **self.kwargs)
+        self.scales,self.n_unscale,self.n_update = L(),0,0
+    def before_step(self):
+        self.n_unscale += 1
+        super().before_step()
+    def after_step(self):
+        self.n_update += 1
+        super().after_step()
+    def after_pred(self):
+        if self.autocast._enabled: super().after_pred() # fastai casts preds to float32; keep float64 when not autocasting
+    def after_fit(self): self.autocast = None
+
+class Overflow(Callback):
+    "Put an inf in a gradient after the backward that covers training sample `at` (counted in samples that went through)"
+    order = MixedPrecision.order-1
+    def __init__(self, at): self.at,self.seen = at,0
+    def before_fit(self): self.seen = 0
+    def after_backward(self):
+        if self.seen <= self.at < self.seen+find_bs(self.yb): next(self.model.parameters()).grad[0,0] = float('inf')
+        self.seen += find_bs(self.yb)
