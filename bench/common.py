@@ -1,6 +1,6 @@
 """What the benchmarks share: the data, the models, a loader that slices tensors, the machine's description, result files"""
 from __future__ import annotations
-import json, os, platform, statistics, sys
+import json, os, platform, statistics, sys, time
 from pathlib import Path
 import torch
 from torch import nn
@@ -116,5 +116,14 @@ def write_results(name:str, data:dict, md:str, out:Path|str|None=None)->Path:
     (out/f'{name}.json').write_text(json.dumps(data, indent=1) + '\n')
     (out/f'{name}.md').write_text(md.rstrip() + '\n')
     return out/f'{name}.json'
+
+def finish(name:str, res:dict, report, start:float, out:Path|str|None=None):
+    "Close a benchmark: its time, whether every target was met, the report printed and written with the JSON"
+    res['seconds'] = time.perf_counter()-start
+    res['targets_met'] = all(r['met'] for m in res['models'].values() for r in m['ratios'] if r['met'] is not None)
+    text,md = report(res)
+    print(text)
+    path = write_results(name, res, md, out)
+    print(f"wrote {path} and {path.with_suffix('.md')} ({res['seconds']:.0f} s)")
 
 def run_line(args)->str: return ' '.join([Path(sys.executable).name, *args])

@@ -249,11 +249,6 @@ def main(argv=None):
         preload()
         runs = [r for i in range(0, len(specs), jobs) for r in forked(specs[i:i+jobs])]
     for m in models: res['models'][m] = summarize([r for r in runs if r['model'] == m], batch, k, MODELS[m][0])
-    res['seconds'] = time.perf_counter()-start
-    res['targets_met'] = all(r['met'] for m in res['models'].values() for r in m['ratios'] if r['met'] is not None)
-    text,md = report(res)
-    print(text)
-    path = write_results('memory', res, md, a.out)
-    print(f"wrote {path} and {path.with_suffix('.md')} ({res['seconds']:.0f} s)")
+    finish('memory', res, report, start, a.out)
 
 if __name__ == '__main__': main()

@@ -229,11 +229,6 @@ def main(argv=None):
     for key in a.models.split(','):
         for opt in (a.opts or ('adam' if a.quick else 'adam,sgd')).split(','):
             res['models'][f'{key}/{opt}'] = bench_model(key, opt, reps, n_epoch, a.micro_bs, a.accum_bs, a.n_train)
-    res['seconds'] = time.perf_counter()-start
-    res['targets_met'] = all(r['met'] for m in res['models'].values() for r in m['ratios'] if r['met'] is not None)
-    text,md = report(res)
-    print(text)
-    path = write_results('overhead', res, md, a.out)
-    print(f"wrote {path} and {path.with_suffix('.md')} ({res['seconds']:.0f} s)")
+    finish('overhead', res, report, start, a.out)
 
 if __name__ == '__main__': main()
