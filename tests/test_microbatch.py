@@ -361,13 +361,6 @@ def test_bad_input(kwargs, msg):
 
 # --- DDP: two processes on the CPU (gloo) ---
 
-class LimitOOM(nn.Module):
-    "Raise `torch.OutOfMemoryError` on a training micro-batch of more than `limit` samples"
-    def __init__(self, limit): super().__init__(); self.limit = limit
-    def forward(self, x):
-        if torch.is_grad_enabled() and x.shape[0] > self.limit: raise torch.OutOfMemoryError(f'{x.shape[0]} > {self.limit}')
-        return x
-
 def _ddp_run(rank, tmp):
     "One of two processes: DDP over gloo, each process with half of every global batch of 64 (32 + 32; 14 + 14 for the last)"
     import torch.distributed as dist
@@ -382,7 +375,7 @@ def _ddp_run(rank, tmp):
     res = {}
     for mode,micro_bs,limit in [('int', 8, 10**9), ('auto', 'auto', (16, 8)[rank])]:
         m = digits_mlp()
-        ddp = DDP(nn.Sequential(m[0], LimitOOM(limit), *m[1:]))
+        ddp = DDP(nn.Sequential(m[0], SimulatedOOM(limit), *m[1:]))
         n_no_sync,no_sync = [0],ddp.no_sync
         @contextmanager
         def counting():
