@@ -50,3 +50,58 @@ def test_every_module_has_a_docs_page():
         nb = ROOT/'nbs'/(modname.split('.', 1)[1] + '.ipynb')
         assert nb.exists(), f'{modname}: no notebook {nb.name}'
         assert nb.name in sidebar, f'{nb.name} is not in nbs/sidebar.yml'
+
+# --- signatures as the docs show them (show_doc puts each parameter and its comment on one line of a code block)
+SIG_WIDTH = 95 # characters of a code line the docs page's content column shows without scrolling (cosmo, 14px mono)
+
+def signature_lines(obj)->list[str]:
+    "One line per parameter, as nbdev's `show_doc` renders it: `name:annotation=default, # comment`"
+    f = vars(obj).get('__init__', obj) if inspect.isclass(obj) else obj
+    comments = docments(f)
+    lines = []
+    for p in inspect.signature(obj).parameters.values():
+        s = str(p.replace(annotation=p.empty, default=p.empty))
+        if p.annotation is not p.empty: s += ':' + (p.annotation if isinstance(p.annotation, str) else inspect.formatannotation(p.annotation))
+        if p.default is not p.empty: # functions and classes by name, as show_doc writes them
+            s += '=' + (p.default.__name__ if inspect.isfunction(p.default) or inspect.isclass(p.default) else repr(p.default))
+        lines.append(f'    {s},' + (f' # {comments[p.name]}' if comments.get(p.name) else ''))
+    return lines
+
+def own_signature(o)->bool:
+    "A function, or a class whose constructor this library defines (fastai's `Callback.__init__` is fastai's to document)"
+    if not inspect.isclass(o): return callable(o)
+    init = next((c.__dict__['__init__'] for c in o.__mro__ if '__init__' in c.__dict__), None)
+    return init is object.__init__ or getattr(init, '__module__', '').startswith('fastxtend_accum')
+
+SIGNED = [(m,n,o) for m,n,o in SYMBOLS if own_signature(o)]
+
+@pytest.mark.parametrize('modname,name,obj', SIGNED, ids=[f'{m}.{n}' for m,n,_ in SIGNED])
+def test_signature_reads_well(modname, name, obj):
+    "No line of the signature is cut off, none holds markdown (backticks, links): it is shown as code"
+    for line in signature_lines(obj):
+        assert len(line) <= SIG_WIDTH, f'{modname}.{name}: {len(line)} characters: {line}'
+        assert '`' not in line and '](' not in line, f'{modname}.{name}: markdown in the signature: {line}'
+
+@pytest.mark.parametrize('name', ['GradientAccumulation', 'GradientAccumulationSchedule', 'MicroBatching'])
+def test_normalize_by_annotation(name):
+    "`normalize_by` takes 'samples' or a callable, and its annotation says so"
+    import fastxtend_accum.all as lib
+    p = inspect.signature(getattr(lib, name)).parameters['normalize_by']
+    assert p.default == 'samples' and {'str', 'Callable'} <= set(re.findall(r'\w+', str(p.annotation))), p
+
+def test_sample_count_signature():
+    "`SampleCount` shows how it is made, `SampleCount()`, not `(*args, **kwargs)`"
+    from fastxtend_accum.normalize import SampleCount
+    assert str(inspect.signature(SampleCount)) == '()'
+    assert list(inspect.signature(SampleCount.__call__).parameters) == ['self', 'xb', 'yb']
+
+def test_show_doc_renders():
+    "nbdev's own `show_doc` (where nbdev is installed: the notebook toolchain): code-block lines short, no links inside"
+    showdoc = pytest.importorskip('nbdev.showdoc', reason='nbdev is only in the notebook toolchain (.venv-nbdev)')
+    for modname,name,obj in SIGNED:
+        md = showdoc.show_doc(obj)._repr_markdown_()
+        code = re.search(r'```python\n(.*?)```', md, re.S)
+        assert code, f'{modname}.{name}: no signature in\n{md}'
+        for line in code[1].splitlines():
+            assert len(line) <= SIG_WIDTH, f'{modname}.{name}: {len(line)} characters: {line}'
+            assert '`' not in line and '](' not in line, f'{modname}.{name}: markdown in the signature: {line}'
