@@ -211,7 +211,11 @@ def report(res:dict)->tuple[str,str]:
             f"float32, {cfg['threads']} torch thread(s). Times are the process's CPU time (wall-clock time beside it): "
             f"on a shared machine it leaves out the time other jobs hold the cores, and a training loop on one thread does "
             f"not wait for anything else. Medians [min, max] over repetitions; ratios are medians [min, max] of the "
-            f"per-repetition ratios (best-of: fastest over fastest); targets are judged on the CPU-time median.")
+            f"per-repetition ratios (best-of: fastest over fastest); targets are judged on the CPU-time median. "
+            f"'Where the time goes' takes the time per micro-batch apart: the fastai loader (the PyTorch loop over it minus "
+            f"the one over the tensors), fastai's Learner (fastai's GradientAccumulation minus the PyTorch loop over the same "
+            f"loader), this library on top of fastai's own accumulation, and MicroBatching(fixed), which runs fastai's "
+            f"per-batch work once per step.")
     text,md = [head, ''],[f"## Overhead\n\n{head}\n\nMachine: {describe(res['machine'])}\n"]
     headers = ['variant', 'CPU s', 'min', 'max', 'wall s', 'us / micro-batch', 'x no accum', 'x fastai accum']
     for key,m in res['models'].items():
