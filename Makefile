@@ -57,9 +57,11 @@ check-readme: $(NBDEV_ENV)/.installed
 
 # The docs site: nbdev_proc_nbs writes the processed notebooks to _proc/, Quarto renders them to _docs/.
 # Not nbdev_docs: it also runs nbdev_readme, which would overwrite README.md with Quarto's rendering of index.ipynb.
+# Without Quarto, nbdev_proc_nbs would try to install it (sudo) and `pip install -e .[dev]` with whatever pip is on
+# PATH (the system Python's): the check is skipped here, and the message below says what Quarto is needed for.
 docs: $(NBDEV_ENV)/.installed
 	rm -rf _proc
-	$(NBDEV_ENV)/bin/nbdev_proc_nbs
+	$(NBDEV_ENV)/bin/python -c "import nbdev.quarto as q; q._ensure_quarto = lambda: None; q.nbdev_proc_nbs.__wrapped__()"
 	@if command -v quarto >/dev/null; then \
 		cd _proc && quarto render --no-cache && cd .. && rm -rf _docs && mv _proc/_docs _docs && echo "built the site in _docs/"; \
 	else \
