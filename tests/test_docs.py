@@ -169,3 +169,15 @@ def test_readme_from_index():
     import subprocess, sys
     p = subprocess.run([sys.executable, str(ROOT/'tools'/'readme.py'), '--check'], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+
+def test_fastai_symbols_link_to_fastai():
+    "nbdev's doclinks, applied to every markdown cell, never send a mention of fastai's callback to this library's page"
+    doclinks = pytest.importorskip('nbdev.doclinks', reason='nbdev is only in the notebook toolchain (.venv-nbdev)')
+    lookup,bad = doclinks.NbdevLookup(),[]
+    for nb in sorted(NBS.glob('*.ipynb')):
+        for c in json.loads(nb.read_text())['cells']:
+            if c['cell_type'] != 'markdown': continue
+            md = lookup.linkify(''.join(c['source']))
+            bad += [f'{nb.name}: {m}' for m in re.findall(r"fastai's (?:built-in )?\[+`?GradientAccumulation`?\]\(https://fastxtend[^)]*\)", md)]
+            bad += [f'{nb.name}: a link inside a link: {m}' for m in re.findall(r'\[\[[^\]]*\]\([^)]*\)\]', md)]
+    assert not bad, '\n'.join(bad)
