@@ -11,7 +11,7 @@ export WANDB_SILENT := true
 export WANDB_DIR := $(CURDIR)/.wandb
 export MPLBACKEND := Agg
 
-.PHONY: env demo test export check-export nbtest pytest bench clean
+.PHONY: env demo test export check-export notebooks readme check-readme docs nbtest pytest bench clean
 
 env: $(NBDEV_ENV)/.installed $(USER_ENV)/.installed
 
@@ -40,6 +40,36 @@ check-export: export
 		git status --short -- fastxtend_accum nbs; git --no-pager diff --stat -- fastxtend_accum nbs; \
 		echo "nbdev_export/nbdev_clean changed files: the library or notebooks are out of sync"; exit 1; fi
 
+# Re-execute notebooks in place, keeping their outputs (fails on an error, a warning or stderr in any output), then
+# clean them as they are committed. `make notebooks NBS="nbs/index.ipynb nbs/examples.digits.ipynb"` runs a few.
+NBS ?=
+notebooks: $(NBDEV_ENV)/.installed
+	mkdir -p $(WANDB_DIR)
+	OMP_NUM_THREADS=1 $(NBDEV_ENV)/bin/python tools/run_nbs.py --n_workers 2 $(NBS)
+	$(NBDEV_ENV)/bin/nbdev_clean
+
+# README.md is generated from nbs/index.ipynb (the docs' home page): one source
+readme: $(NBDEV_ENV)/.installed
+	$(NBDEV_ENV)/bin/python tools/readme.py
+
+check-readme: $(NBDEV_ENV)/.installed
+	$(NBDEV_ENV)/bin/python tools/readme.py --check
+
+# The docs site: nbdev_proc_nbs writes the processed notebooks to _proc/, Quarto renders them to _docs/.
+# Not nbdev_docs: it also runs nbdev_readme, which would overwrite README.md with Quarto's rendering of index.ipynb.
+# Without Quarto, nbdev_proc_nbs would try to install it (sudo) and `pip install -e .[dev]` with whatever pip is on
+# PATH (the system Python's): the check is skipped here, and the message below says what Quarto is needed for.
+docs: $(NBDEV_ENV)/.installed
+	rm -rf _proc
+	$(NBDEV_ENV)/bin/python -c "import nbdev.quarto as q; q._ensure_quarto = lambda: None; q.nbdev_proc_nbs.__wrapped__()"
+	@if command -v quarto >/dev/null; then \
+		cd _proc && quarto render --no-cache && cd .. && rm -rf _docs && mv _proc/_docs _docs && echo "built the site in _docs/"; \
+	else \
+		echo "Built _proc/: the processed notebooks (outputs, show_doc, directives applied) and the site's config."; \
+		echo "Quarto is not installed here, so the HTML site (_docs/) was not rendered: on a machine with Quarto"; \
+		echo "(https://quarto.org/docs/get-started/), run 'make docs' again, or 'cd _proc && quarto render'."; \
+	fi
+
 # tiny models: one thread each is faster than two fighting, and notebooks run two at a time
 nbtest: $(NBDEV_ENV)/.installed
 	mkdir -p $(WANDB_DIR)
@@ -50,7 +80,7 @@ pytest: env
 	$(NBDEV_ENV)/bin/python -m pytest tests -q -p no:cacheprovider
 	$(USER_ENV)/bin/python -m pytest tests -q -p no:cacheprovider
 
-test: env check-export nbtest pytest
+test: env check-export check-readme nbtest pytest
 
 bench: $(USER_ENV)/.installed
 	$(USER_ENV)/bin/python bench/run.py

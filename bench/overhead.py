@@ -1,8 +1,12 @@
-"""Overhead: the same training with no accumulation, fastai's `GradientAccumulation`, this library's, and a PyTorch loop.
+"""Overhead: the same training with no accumulation, fastai's `GradientAccumulation`, this library's, and PyTorch loops.
 
 Every variant trains the same model (same start), on the same micro-batches (digits, 1,500 samples, micro-batches of 32),
 with fastai's Adam (its default optimizer) and with SGD (the cheapest step there is). fastai's loop without accumulation
-steps once per micro-batch; the accumulating variants step once per `accum_bs` samples. The variants run interleaved
+steps once per micro-batch; the accumulating variants step once per `accum_bs` samples. `MicroBatching(fixed)` gets batches
+of `accum_bs` from its loader and splits them into the same micro-batches, so fastai's per-batch work (callbacks, Recorder,
+the loader's next batch) runs once per optimizer step instead of once per micro-batch. Two hand-written PyTorch loops do the
+same accumulation: one over the tensors, one over the same fastai loader the Learners use, so that the time fastai's
+`Learner` adds per batch (the loader's share taken out) is told apart from the time this library adds. The variants run interleaved
 (ABCDEF ABCDEF ...), after a warm-up round, with a fixed number of torch threads; each repetition times whole `fit(n_epoch)` calls (training only: validation is cancelled). The loader slices
 batches out of tensors, so that the loop, not item-by-item collation, is what is timed.
 
@@ -28,6 +32,7 @@ from fastai.callback.schedule import ParamScheduler
 from fastai.callback.progress import ProgressCallback
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
+from fastxtend_accum.callback.microbatch import MicroBatching
 
 NO_ACCUM = 'no accumulation'
 NO_ACCUM_PATCHED = 'no accumulation, patched Recorder'
@@ -35,12 +40,15 @@ FASTAI = 'fastai GradientAccumulation'
 OURS = 'fastxtend_accum'
 OURS_LOG = f'{OURS} (log_accum_batch=True)'
 OURS_NOLOG = f'{OURS} (log_accum_batch=False)'
+MICRO = 'MicroBatching(fixed)'
 TORCH = 'PyTorch loop (accumulation)'
-VARIANTS = [NO_ACCUM, NO_ACCUM_PATCHED, FASTAI, OURS_LOG, OURS_NOLOG, TORCH]
+TORCH_DL = 'PyTorch loop over the fastai loader'
+VARIANTS = [NO_ACCUM, NO_ACCUM_PATCHED, FASTAI, OURS_LOG, OURS_NOLOG, MICRO, TORCH, TORCH_DL]
 # (variant, reference, target): the variant's time over the reference's, measured side by side; None: no target, shown
 COMPARISONS = [(OURS_LOG, FASTAI, 1.02), (OURS_NOLOG, FASTAI, 1.02), (OURS_LOG, NO_ACCUM, 1.0), (OURS_NOLOG, NO_ACCUM, 1.0),
                (FASTAI, NO_ACCUM, None), (OURS_LOG, OURS_NOLOG, None), (NO_ACCUM_PATCHED, NO_ACCUM, None),
-               (TORCH, NO_ACCUM, None)]
+               (TORCH, NO_ACCUM, None), (MICRO, OURS_LOG, None), (MICRO, NO_ACCUM, None), (TORCH_DL, NO_ACCUM, None),
+               (TORCH, TORCH_DL, None)]
 
 MODELS = {'mlp': ('MLP 64-128-128-10', lambda: mlp(128, 2), False),
           'cnn': ('CNN conv(1->16, 3x3) conv(16->32, 3x3, stride 2) linear(512->10) on 1x8x8', lambda: cnn(16), True)}
@@ -81,18 +89,19 @@ def learner(model, x, y, bs, cb=None, opt='adam'):
     learn.logger = noop
     return learn
 
-def torch_loop(model, opt, x, y, bs, accum_bs, n_epoch):
+def torch_loop(model, opt, x, y, bs, accum_bs, n_epoch, dl=None):
     "Hand-written accumulation: each micro-batch's loss weighted by its share of `accum_bs`, one step per window"
     loss_func,n = nn.CrossEntropyLoss(),len(x)
     for _ in range(n_epoch):
         model.train()
         n_seen = 0
-        for i in range(0, n, bs):
-            xb,yb = x[i:i+bs],y[i:i+bs]
+        # micro-batches sliced out of the tensors here, or drawn from the fastai loader `dl` (the same slices)
+        batches = ((x[i:i+bs],y[i:i+bs]) for i in range(0, n, bs)) if dl is None else iter(dl)
+        for j,(xb,yb) in enumerate(batches):
             loss = loss_func(model(xb), yb)
             (loss*(len(yb)/accum_bs)).backward()
             n_seen += len(yb)
-            if n_seen >= accum_bs or i+bs >= n: # windows close at accum_bs samples, or at the end of the epoch
+            if n_seen >= accum_bs or (j+1)*bs >= n: # windows close at accum_bs samples, or at the end of the epoch
                 if n_seen != accum_bs: # a short (or overfull) window: make it the mean over its samples
                     for p in model.parameters(): p.grad.mul_(accum_bs/n_seen)
                 opt.step(); opt.zero_grad(); n_seen = 0
@@ -101,8 +110,8 @@ def make_runners(make_model, x, y, micro_bs, accum_bs, n_epoch, opt):
     "For each variant: (run, its model, its `Learner`) with every model at the same start"
     init = make_model().state_dict()
     runners = {}
-    def fastai_runner(cb, as_shipped=False):
-        learn = learner(make_model(), x, y, micro_bs, cb, opt)
+    def fastai_runner(cb, as_shipped=False, bs=micro_bs):
+        learn = learner(make_model(), x, y, bs, cb, opt)
         def run(cbs=None):
             learn.model.load_state_dict(init) # same start every time (in place: the optimizer keeps its parameters)
             with fastai_as_shipped() if as_shipped else nullcontext(): learn.fit(n_epoch, cbs=cbs)
@@ -113,12 +122,17 @@ def make_runners(make_model, x, y, micro_bs, accum_bs, n_epoch, opt):
     runners[FASTAI] = fastai_runner(FastaiGradientAccumulation(accum_bs), as_shipped=True)
     runners[OURS_LOG] = fastai_runner(GradientAccumulation(accum_bs, log_accum_batch=True))
     runners[OURS_NOLOG] = fastai_runner(GradientAccumulation(accum_bs, log_accum_batch=False))
+    # batches of accum_bs from the loader, split into micro-batches of (at most) micro_bs
+    runners[MICRO] = fastai_runner(MicroBatching(micro_bs, verbose=False), bs=accum_bs)
     _,torch_opt,lr = OPTS[opt]
-    model = make_model(); topt = torch_opt(model.parameters(), lr)
-    def run_torch():
-        model.load_state_dict(init)
-        torch_loop(model, topt, x, y, micro_bs, accum_bs, n_epoch)
-    runners[TORCH] = (run_torch,model,None)
+    def torch_runner(dl=None):
+        model = make_model(); topt = torch_opt(model.parameters(), lr)
+        def run():
+            model.load_state_dict(init)
+            torch_loop(model, topt, x, y, micro_bs, accum_bs, n_epoch, dl)
+        return run,model,None
+    runners[TORCH] = torch_runner()
+    runners[TORCH_DL] = torch_runner(tensor_dl(x, y, micro_bs)) # the Learners' training loader, on its own
     return runners
 
 def max_diff(a, b): return max((p-q).abs().max().item() for p,q in zip(a.parameters(), b.parameters()))
@@ -140,6 +154,8 @@ def bench_model(key, opt, reps, n_epoch, micro_bs, accum_bs, n_train):
               'loss records per fit (log_accum_batch True, False)': [len(runners[v][2].recorder.losses) for v in (OURS_LOG, OURS_NOLOG)],
               "patched methods put back for fastai's variants": n_swapped,
               f'max |param diff| {OURS} vs {TORCH}': max_diff(runners[OURS_LOG][1], runners[TORCH][1]),
+              f'max |param diff| {MICRO} vs {TORCH}': max_diff(runners[MICRO][1], runners[TORCH][1]),
+              f'max |param diff| {TORCH_DL} vs {TORCH}': max_diff(runners[TORCH_DL][1], runners[TORCH][1]),
               f'max |param diff| log_accum_batch True vs False': max_diff(runners[OURS_LOG][1], runners[OURS_NOLOG][1]),
               f'max |param diff| {OURS} vs {FASTAI}': max_diff(runners[OURS_LOG][1], runners[FASTAI][1])}
     wall,cpu = {name: [] for name in VARIANTS},{name: [] for name in VARIANTS}
@@ -168,6 +184,18 @@ def bench_model(key, opt, reps, n_epoch, micro_bs, accum_bs, n_train):
     return dict(model=desc, opt=opt, lr=OPTS[opt][2], n_params=n_params, n_train=n_train, micro_bs=micro_bs,
                 accum_bs=accum_bs, n_epoch=n_epoch, micro_batches_per_epoch=n_micro, variants=variants, ratios=ratios, sanity=sanity)
 
+# (what, variant, reference): the CPU time per micro-batch the variant adds to the reference
+SPLIT = [("the fastai loader's next batch", TORCH_DL, TORCH),
+         ("fastai's Learner per micro-batch (callbacks, Recorder, progress), accumulating as fastai does", FASTAI, TORCH_DL),
+         ('this library on top of that, log_accum_batch=True', OURS_LOG, FASTAI),
+         ('this library on top of that, log_accum_batch=False', OURS_NOLOG, FASTAI),
+         ("MicroBatching(fixed): fastai's Learner once per step, and the split", MICRO, TORCH_DL)]
+
+def extra_us(m:dict, a:str, b:str)->float:
+    "Median over repetitions of the CPU time `a` takes beyond `b`, per micro-batch, in microseconds"
+    va,vb = m['variants'][a],m['variants'][b]
+    return statistics.median(ta-tb for ta,tb in zip(va['cpu_s'], vb['cpu_s']))/(m['n_epoch']*m['micro_batches_per_epoch'])*1e6
+
 def ratio_line(key, r)->str:
     t = '' if r['target'] is None else f" target <= {r['target']:.2f}: {'met' if r['met'] else 'NOT met'}"
     w = r['wall']
@@ -183,7 +211,11 @@ def report(res:dict)->tuple[str,str]:
             f"float32, {cfg['threads']} torch thread(s). Times are the process's CPU time (wall-clock time beside it): "
             f"on a shared machine it leaves out the time other jobs hold the cores, and a training loop on one thread does "
             f"not wait for anything else. Medians [min, max] over repetitions; ratios are medians [min, max] of the "
-            f"per-repetition ratios (best-of: fastest over fastest); targets are judged on the CPU-time median.")
+            f"per-repetition ratios (best-of: fastest over fastest); targets are judged on the CPU-time median. "
+            f"'Where the time goes' takes the time per micro-batch apart: the fastai loader (the PyTorch loop over it minus "
+            f"the one over the tensors), fastai's Learner (fastai's GradientAccumulation minus the PyTorch loop over the same "
+            f"loader), this library on top of fastai's own accumulation, and MicroBatching(fixed), which runs fastai's "
+            f"per-batch work once per step.")
     text,md = [head, ''],[f"## Overhead\n\n{head}\n\nMachine: {describe(res['machine'])}\n"]
     headers = ['variant', 'CPU s', 'min', 'max', 'wall s', 'us / micro-batch', 'x no accum', 'x fastai accum']
     for key,m in res['models'].items():
@@ -200,6 +232,9 @@ def report(res:dict)->tuple[str,str]:
                  f"{m['micro_batches_per_epoch']} micro-batches per epoch")
         text += [title, text_table(headers, rows), '']
         md += [f"### {title}\n", md_table(headers, rows), '']
+        split = [[label, f"{extra_us(m, a, b):+.0f}"] for label,a,b in SPLIT]
+        text += [text_table(['where the time goes (CPU us per micro-batch, median of side-by-side differences)', 'us'], split), '']
+        md += [md_table(['where the time goes (CPU us per micro-batch, median of side-by-side differences)', 'us'], split), '']
         lines = [ratio_line(key, r) for r in m['ratios']]
         checks = [f"{k}: {v}" if not isinstance(v, float) else f"{k}: {v:.2e}" for k,v in m['sanity'].items()]
         text += lines + ['check ' + c for c in checks] + ['']

@@ -25,7 +25,7 @@ def samples_per_process(dl, # A training loader
 # %% ../nbs/distributed.ipynb #1b3d0e71
 class WindowSync:
     "Let a `DistributedDataParallel` model all-reduce once per window, and sum a window's counts over its processes"
-    def __init__(self, ddp:DistributedDataParallel, # The model, wrapped (as fastai's `DistributedTrainer` wraps it)
+    def __init__(self, ddp:DistributedDataParallel, # The model, wrapped as DistributedTrainer wraps it
                 ):
         self.ddp,self.group = ddp,ddp.process_group
         self.world_size,self.rank = dist.get_world_size(self.group),dist.get_rank(self.group)

@@ -12,6 +12,7 @@ __all__ = ['SampleCount', 'TokenCount', 'item_counter']
 # %% ../nbs/normalize.ipynb #76a64e9f
 class SampleCount:
     "Count the samples of a micro-batch: for losses that average over samples (fastai's default)"
+    def __init__(self): pass # no parameters: `SampleCount()`
     def __call__(self, xb:tuple, yb:tuple)->int: return find_bs(yb)
     def __repr__(self): return 'SampleCount()'
 

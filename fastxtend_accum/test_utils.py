@@ -32,11 +32,11 @@ class Samples(list):
 # %% ../nbs/test_utils.ipynb #1cb239da
 def digits_dls(bs:int, # Micro-batch size of the training loader
                n_train:int=1500, # Training samples (the rest of the 1,797 are the validation set)
-               shuffle:bool=False, # Shuffle the training set (with `seed`, so two loaders give the same order)
+               shuffle:bool=False, # Shuffle the training set, seeded: two loaders, one order
                drop_last:bool=False, # Drop the loader's last partial micro-batch
                seed:int=0, # Seed of the shuffle
                dtype=torch.float64, # Dtype of the pixels
-               torch_loader:bool=False, # Plain PyTorch `DataLoader`s instead of fastai's
+               torch_loader:bool=False, # Plain PyTorch DataLoaders instead of fastai's
               )->DataLoaders:
     "`DataLoaders` over digits, the training set in a fixed order (or a seeded shuffle) so runs can be compared"
     x,y = digits_data(dtype)
@@ -55,7 +55,7 @@ def digits_dls(bs:int, # Micro-batch size of the training loader
 def digits_mlp(n_hidden:int=32, # Width of the hidden layer
                seed:int=0, # Seed of the weights
                dtype=torch.float64, # Dtype of the weights
-               bn:bool=False, # Add a `BatchNorm1d` after the hidden layer
+               bn:bool=False, # Add a BatchNorm1d after the hidden layer
               )->nn.Module:
     "A small MLP for digits, with weights fixed by `seed` (and a BatchNorm layer when `bn`)"
     torch.manual_seed(seed)
@@ -76,9 +76,9 @@ def digits_learner(bs:int, # Micro-batch size of the training loader
                    opt_func=SGD, # fastai optimizer
                    lr:float=0.1, # Learning rate
                    n_train:int=1500, # Training samples
-                   shuffle:bool=False, # Shuffle the training set (seeded with `seed`)
+                   shuffle:bool=False, # Shuffle the training set (seeded with seed)
                    drop_last:bool=False, # Drop the training loader's last partial micro-batch
-                   torch_loader:bool=False, # Plain PyTorch `DataLoader`s instead of fastai's
+                   torch_loader:bool=False, # Plain PyTorch DataLoaders instead of fastai's
                    dtype=torch.float64, # Dtype of the weights and pixels
                    bn:bool=False, # Add a BatchNorm layer to the model
                    **kwargs)->Learner:
@@ -123,7 +123,7 @@ def text_samples(n:int=300, # Lines to take
     return [(torch.tensor(ids[:-1]), torch.tensor(ids[1:])) for ids in map(encode, text_lines(n, **kwargs))]
 
 # %% ../nbs/test_utils.ipynb #419fe300
-def pad_batch(samples:list[tuple], # `(x, y)` pairs of different lengths
+def pad_batch(samples:list[tuple], # (x, y) pairs of different lengths
              )->tuple:
     "Pad a micro-batch to its longest line: inputs with `PAD`, targets with `IGNORE`"
     xs,ys = zip(*samples)
@@ -134,7 +134,7 @@ def pad_batch(samples:list[tuple], # `(x, y)` pairs of different lengths
     return x,y
 
 # %% ../nbs/test_utils.ipynb #feb4cb3d
-def text_dl(samples, # `(x, y)` pairs, as `text_samples` makes them
+def text_dl(samples, # (x, y) pairs, as text_samples makes them
             bs:int, # Micro-batch size
             drop_last:bool=False, # Drop the last partial micro-batch
            )->FastaiDataLoader:
@@ -145,7 +145,7 @@ def text_dl(samples, # `(x, y)` pairs, as `text_samples` makes them
 def text_dls(bs:int, # Micro-batch size of the training loader
              n:int=300, # Training lines
              n_valid:int=32, # Validation lines (the ones after the training lines)
-             samples=None, # Training samples to use instead of the first `n` lines
+             samples=None, # Training samples to use instead of the first n lines
             )->DataLoaders:
     "Training loader of micro-batches of `bs` over `samples` (or the first `n` lines), validation over the next `n_valid`"
     samples = text_samples(n) if samples is None else samples
@@ -170,8 +170,8 @@ class CharGRU(nn.Module):
         return self.head(self.rnn(self.emb(x))[0])
 
 # %% ../nbs/test_utils.ipynb #53c7c379
-def token_loss(pred, # Logits, `(batch, length, VOCAB)`
-               y, # Targets, `IGNORE` where padded
+def token_loss(pred, # Logits, (batch, length, VOCAB)
+               y, # Targets, IGNORE where padded
               ):
     "Cross-entropy averaged over the micro-batch's targets that are not padding: a mean over tokens"
     return F.cross_entropy(pred.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
@@ -181,7 +181,7 @@ def text_learner(bs:int, # Micro-batch size of the training loader
                  n:int=300, # Training lines
                  seed:int=0, # Seed of the weights
                  lr:float=0.5, # Learning rate (SGD)
-                 samples=None, # Training samples to use instead of the first `n` lines
+                 samples=None, # Training samples to use instead of the first n lines
                  cbs=None, # Callbacks
                  **kwargs)->Learner:
     "A float64 char-level `Learner` whose start is fixed by `seed`"
@@ -190,8 +190,8 @@ def text_learner(bs:int, # Micro-batch size of the training loader
 
 # %% ../nbs/test_utils.ipynb #ac7dc4c2
 def fit_digits(bs:int, # Batch (or micro-batch) size of the training loader
-               cbs=None, # Callbacks for this run, e.g. `GradientAccumulation(256)`
-               epochs:int=20, # Epochs of `fit_one_cycle`
+               cbs=None, # Callbacks for this run, e.g. GradientAccumulation(256)
+               epochs:int=20, # Epochs of fit_one_cycle
                lr:float=1e-2, # Peak learning rate
                opt_func=Adam, # fastai optimizer
                **kwargs):
@@ -205,7 +205,7 @@ def fit_digits(bs:int, # Batch (or micro-batch) size of the training loader
     return learn, time.perf_counter()-start
 
 # %% ../nbs/test_utils.ipynb #ae64cb16
-def plot_runs(runs:dict, # `{name: learner}`, the reference first
+def plot_runs(runs:dict, # {name: learner}, the reference first
               epochs:int, # Epochs each run trained
               title:str='', # Title of the figure
              ):
@@ -227,7 +227,7 @@ def plot_runs(runs:dict, # `{name: learner}`, the reference first
     return fig
 
 # %% ../nbs/test_utils.ipynb #2cd015a0
-def runs_table(runs:dict, # `{name: learner}`, the reference first
+def runs_table(runs:dict, # {name: learner}, the reference first
               )->str:
     "Final records of each run, and its largest parameter difference from the first run"
     ref = next(iter(runs.values()))

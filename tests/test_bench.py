@@ -37,20 +37,26 @@ def test_overhead_quick(runs):
         for variant,ref in [('fastxtend_accum (log_accum_batch=True)', 'fastai GradientAccumulation'),
                             ('fastxtend_accum (log_accum_batch=False)', 'fastai GradientAccumulation'),
                             ('fastxtend_accum (log_accum_batch=True)', 'no accumulation'),
-                            ('PyTorch loop (accumulation)', 'no accumulation')]:
+                            ('PyTorch loop (accumulation)', 'no accumulation'),
+                            ('MicroBatching(fixed)', 'fastxtend_accum (log_accum_batch=True)'),
+                            ('PyTorch loop over the fastai loader', 'no accumulation')]:
             hits = [l for l in lines if l.startswith(f'RATIO {key}: {variant} / {ref} = ')]
             assert len(hits) == 1, f'no ratio line for {key}: {variant} / {ref} in:\n' + '\n'.join(lines)
             m = re.search(rf'= {NUM} CPU time \[min (\d+\.\d+), max (\d+\.\d+)\] \(best-of {NUM}; [+-]\d+ us per micro-batch; '
                           rf'wall {NUM} \[\d+\.\d+, \d+\.\d+\]\)', hits[0])
             assert m and float(m[2]) <= float(m[1]) <= float(m[3]) and float(m[1]) > 0, hits[0]
     data = json.loads((out/'overhead.json').read_text())
-    assert (out/'overhead.md').read_text().startswith('## Overhead')
+    md = (out/'overhead.md').read_text()
+    assert md.startswith('## Overhead')
+    # the page tells fastai's per-batch cost apart from this library's
+    for s in ("| the fastai loader's next batch | ", "| fastai's Learner per micro-batch", '| this library on top of that, log_accum_batch=True | '):
+        assert md.count(s) == 2, s
     assert data['benchmark'] == 'overhead' and data['config']['quick'] and data['machine']['torch_threads'] == 1
     for key in ('mlp/adam', 'cnn/adam'):
         m = data['models'][key]
         assert set(m['variants']) == {'no accumulation', 'no accumulation, patched Recorder', 'fastai GradientAccumulation',
                                       'fastxtend_accum (log_accum_batch=True)', 'fastxtend_accum (log_accum_batch=False)',
-                                      'PyTorch loop (accumulation)'}
+                                      'MicroBatching(fixed)', 'PyTorch loop (accumulation)', 'PyTorch loop over the fastai loader'}
         assert all(len(v['cpu_s']) == len(v['wall_s']) == 2 and min(v['cpu_s']) > 0 and min(v['wall_s']) > 0
                    for v in m['variants'].values())
         # the variants train as they say: 47 micro-batches, 12 steps (fastai's: 11, its short last window waits for the
@@ -58,10 +64,13 @@ def test_overhead_quick(runs):
         s = m['sanity']
         assert s['micro-batches per epoch'] == 47
         assert s['optimizer steps per epoch'] == {'no accumulation': 47, 'no accumulation, patched Recorder': 47,
-            'fastai GradientAccumulation': 11, 'fastxtend_accum (log_accum_batch=True)': 12, 'fastxtend_accum (log_accum_batch=False)': 12}
+            'fastai GradientAccumulation': 11, 'fastxtend_accum (log_accum_batch=True)': 12, 'fastxtend_accum (log_accum_batch=False)': 12,
+            'MicroBatching(fixed)': 12}
         assert s['loss records per fit (log_accum_batch True, False)'] == [12, 47]
         assert s["patched methods put back for fastai's variants"] == 3
         assert s['max |param diff| fastxtend_accum vs PyTorch loop (accumulation)'] < 1e-5
+        assert s['max |param diff| MicroBatching(fixed) vs PyTorch loop (accumulation)'] < 1e-5 # batches of 128 split in 4
+        assert s['max |param diff| PyTorch loop over the fastai loader vs PyTorch loop (accumulation)'] < 1e-5
         assert s['max |param diff| fastxtend_accum vs fastai GradientAccumulation'] > 1e-4 # fastai's last window is not a mean
 
 def test_memory_quick(runs):

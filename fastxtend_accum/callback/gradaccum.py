@@ -41,9 +41,10 @@ def micro_batch_sizes(dl)->list[int]|None:
 # %% ../../nbs/callback.gradaccum.ipynb #2397bd99
 class WindowPlan:
     "An epoch's windows: the micro-batch each one starts at, given the micro-batch `sizes` and `accum_bs`"
-    def __init__(self, sizes:list[int],
-                 accum_bs:int|Callable, # Samples per window, or a function of the micro-batch index a window opens at
-                 drop_last:bool=False, # Discard the epoch's last window when it falls short of its target
+    def __init__(self,
+                 sizes:list[int], # Samples in each micro-batch of the epoch
+                 accum_bs:int|Callable, # Samples per window, or a function of the window's first index
+                 drop_last:bool=False, # Discard the epoch's last window when it is short
                 ):
         self.sizes,self.starts,n = sizes,[],0
         for i,s in enumerate(sizes): # a window closes at the first micro-batch that reaches or passes its target
@@ -64,11 +65,11 @@ class GradientAccumulation(Callback):
     order,run_valid = MixedPrecision.order-4,False # before `MixedPrecision`: only a window's last micro-batch reaches the scaler
     _learn = None
     def __init__(self,
-        accum_bs:int|None=None, # Samples per optimizer step (per process); `None` uses `n_acc`
-        n_acc:int=32, # Samples per optimizer step when `accum_bs` is `None` (fastai's name for it)
-        log_accum_batch:bool=True, # Record losses, lrs, hyper-parameters and the progress bar once per optimizer step
-        drop_last:bool=False, # Discard each epoch's last window when it holds fewer than `accum_bs` samples
-        normalize_by='samples', # What the loss averages over: 'samples', or a callable `(xb, yb) -> count` such as `TokenCount()`
+        accum_bs:int|None=None, # Samples per optimizer step (per process); None: n_acc
+        n_acc:int=32, # fastai's name for accum_bs, used when accum_bs is None
+        log_accum_batch:bool=True, # Record losses, hps and progress once per step
+        drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
+        normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
     ):
         self.accum_bs = check_positive_int('n_acc', n_acc) if accum_bs is None else check_positive_int('accum_bs', accum_bs)
         self.n_acc,self.log_accum_batch,self.drop_last = n_acc,log_accum_batch,drop_last

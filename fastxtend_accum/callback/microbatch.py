@@ -36,7 +36,7 @@ def next_micro_bs(n:int, # Samples in the batch
 def slice_batch(b, # A batch: tensors, in tuples, lists and dicts
                 start:int, # First sample of the slice
                 end:int, # End of the slice (excluded)
-                n:int, # Samples in the batch: only tensors whose first dimension is `n` are sliced
+                n:int, # Samples in the batch: only tensors whose first dimension is n are sliced
                ):
     "Samples `start:end` of the batch `b` of `n` samples: tensors whose first dimension is `n`, in tuples, lists and dicts"
     if isinstance(b, Tensor): return b[start:end] if b.ndim and b.shape[0] == n else b
@@ -87,12 +87,12 @@ class MicroBatching(Callback):
     timer = staticmethod(time.perf_counter) # the clock 'fastest' times steps with
     _learn = None
     def __init__(self,
-        micro_bs:int|str='auto', # Samples per micro-batch; 'auto': the largest that fits; 'fastest': the fastest of those that fit
-        normalize_by='samples', # What the loss averages over: 'samples', or a callable `(xb, yb) -> count` such as `TokenCount()`
-        keep_pred:bool=True, # Put the batch's predictions, concatenated, in `learn.pred` (train metrics need them)
+        micro_bs:int|str='auto', # Micro-batch size, 'auto' (the largest that fits) or 'fastest'
+        normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
+        keep_pred:bool=True, # Keep the batch's predictions in learn.pred (train metrics)
         n_timed:int=3, # 'fastest': batches timed per candidate size, after one warm-up batch
-        n_candidates:int=3, # 'fastest': sizes timed, from the largest that fits down through the next divisors
-        verbose:bool=True, # Print the micro-batch size chosen (and the timings with 'fastest')
+        n_candidates:int=3, # 'fastest': sizes timed: the largest that fits, then divisors
+        verbose:bool=True, # Print the micro-batch size chosen (and timings, 'fastest')
     ):
         if not (isinstance(micro_bs, str) and micro_bs in ('auto', 'fastest')):
             try: micro_bs = check_positive_int('micro_bs', micro_bs)

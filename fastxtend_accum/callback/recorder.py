@@ -28,7 +28,7 @@ def accum_logger(learn:Learner, # The Learner whose callbacks to look through
     return cb if cb is not None and cb.log_accum_batch else None
 
 # %% ../../nbs/callback.recorder.ipynb #9fbfbdb9
-def fastai_method(cls, # The class (or module) fastai defines `name` in
+def fastai_method(cls, # The class (or module) fastai defines name in
                   name:str, # The attribute a patch replaces
                  ):
     "fastai's own `cls.name`, kept once so that re-importing a module that patches it never wraps a patch in itself"

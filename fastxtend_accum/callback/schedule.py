@@ -33,15 +33,15 @@ def _loader_bs(dl)->int|None:
 class GradientAccumulationSchedule(GradientAccumulation):
     "Accumulate gradients over a number of samples that follows `schedule` from `start_accum_bs` to `final_accum_bs`"
     def __init__(self,
-        start_accum_bs:int, # Samples per optimizer step before `start` (per process)
-        final_accum_bs:int, # Samples per optimizer step from `finish` on (may be smaller than `start_accum_bs`)
-        start:float|int=0, # Where the schedule starts: a fraction of training (float) or an epoch index (int)
-        finish:float|int=0.3, # Where it reaches `final_accum_bs`: a fraction of training (float) or an epoch index (int)
-        schedule:Callable=SchedCos, # A fastai annealer: `schedule(start, end)` is a function of progress in [0, 1]
-        log_accum_batch:bool=True, # Record losses, lrs, hyper-parameters and the progress bar once per optimizer step
-        micro_batch_size:int|None=None, # Samples per micro-batch; `None` reads it from the loader, else from the first micro-batch
-        drop_last:bool=False, # Discard each epoch's last window when it holds fewer samples than its target
-        normalize_by='samples', # What the loss averages over: 'samples', or a callable `(xb, yb) -> count` such as `TokenCount()`
+        start_accum_bs:int, # Samples per optimizer step before start (per process)
+        final_accum_bs:int, # Samples per optimizer step from finish on (may be smaller)
+        start:float|int=0, # Where it starts: a fraction of training, or an epoch (int)
+        finish:float|int=0.3, # Where it reaches final_accum_bs: a fraction, or an epoch
+        schedule:Callable=SchedCos, # A fastai annealer: schedule(start, end)(pct)
+        log_accum_batch:bool=True, # Record losses, hps and progress once per step
+        micro_batch_size:int|None=None, # Samples per micro-batch; None: the loader's
+        drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
+        normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
     ):
         start_accum_bs = check_positive_int('start_accum_bs', start_accum_bs)
         final_accum_bs = check_positive_int('final_accum_bs', final_accum_bs)
