@@ -99,7 +99,9 @@ def test_per_optimizer_step(tmp_path):
     assert [r['raw_loss'] for r in train] == pytest.approx([w['loss'] for w in win], rel=1e-12) # the window's loss
     assert [r['lr_0'] for r in train] == pytest.approx(rec.hps['lr'], rel=1e-12)
     assert [r['mom_0'] for r in train] == pytest.approx(rec.hps['mom'], rel=1e-12)
-    assert [r['accum_bs'] for r in train] == rec.hps['accum_bs'] and rec.hps['accum_bs'][0] == 32 and rec.hps['accum_bs'][-1] == 128
+    assert [r['accum_bs'] for r in train] == rec.hps['accum_bs'] and rec.hps['accum_bs'][0] == 32 and max(rec.hps['accum_bs']) == 128
+    # accum_bs is what each window held: an epoch's short last window (500 = 31*16 + 4) logs its real sample count
+    assert rec.hps['accum_bs'] == [w['n'] for w in win] and rec.hps['accum_bs'][-1] < 128
     # the epoch axis: epochs done at each window's end, in micro-batches; whole at each epoch's end
     assert [r['epoch'] for r in train] == pytest.approx([w['epoch'] + (w['iter']+1)/w['n_iter'] for w in win], abs=1e-9)
     ends = [k for k,w in enumerate(win) if w['iter'] == w['n_iter']-1]
@@ -139,7 +141,8 @@ def test_per_micro_batch(tmp_path):
     assert [r['_step'] for r in train] == list(range(n_mb))
     assert [r['train_loss'] for r in train] == pytest.approx([float(o) for o in rec.losses], rel=1e-12)
     assert [r['epoch'] for r in train] == pytest.approx([e + (i+1)/32 for e in range(n_epoch) for i in range(32)], abs=1e-9)
-    assert {r['accum_bs'] for r in train} == {64}
+    # the window's target on its micro-batches, what it held on its last one: 500 = 7*64 + 52
+    assert [r['accum_bs'] for r in train] == ([64]*31 + [52])*n_epoch
     # TensorBoard: fastai's steps, and fastai's repeats of the last point during validation (2 validation batches)
     assert sorted({s for s,_ in tb['train_loss']}) == list(range(1, n_mb+1))
     assert len(tb['train_loss']) == n_mb + n_epoch*len(learn.dls.valid)
