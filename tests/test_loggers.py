@@ -163,3 +163,22 @@ def test_no_vision_import():
             "import fastxtend_accum.all; print(vis()); import fastai.callback.tensorboard; print(vis())")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.strip().split('\n')
     assert out == ["[]", "['fastai.vision', 'fastai.vision.core', 'fastai.vision.data']"], out
+
+WANDB_AFTER = """
+import os, sys; os.environ.update(WANDB_MODE='offline', WANDB_SILENT='true')
+from fastxtend_accum.all import *
+from fastxtend_accum.test_utils import digits_learner
+from fastai.callback.wandb import WandbCallback # after this library
+import wandb
+run = wandb.init(project='fastxtend-accum-tests', dir=sys.argv[1], mode='offline')
+learn = digits_learner(64, n_train=200) # no accumulation callback in this fit: the fix comes from the library's import
+with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=WandbCallback(log_preds=False, log_model=False))
+run.finish()
+print(len(learn.recorder.losses))
+"""
+
+def test_wandb_fix_whatever_the_import_order(tmp_path):
+    "fastai.callback.wandb imported after this library: its fastcore-2 fix still applies (fastai 2.8.12 crashes in before_fit without it)"
+    out = subprocess.run([sys.executable, '-c', WANDB_AFTER, str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().split('\n')[-1] == '4' # 200 samples in batches of 64: the fit ran to its end
