@@ -43,7 +43,7 @@ def lm_samples(n, seq_len=24, start=0):
     chunks = ids[:n*(seq_len+1)].view(n, seq_len+1)
     return Samples((c[:-1], c[1:]) for c in chunks)
 
-def lm_learn(bs, cbs=None, seed=0, n_train=320):
+def lm_learn(bs, cbs=None, seed=0, n_train=360):
     "fastai's AWD_LSTM language model, tiny, in float64, on shuffled (seeded) sequences; fastai's discriminative-lr split"
     set_seed(seed)
     trn,val = lm_samples(n_train),lm_samples(64, start=n_train)
@@ -92,8 +92,9 @@ FITS = {
 @pytest.mark.parametrize('data', ['digits', 'tabular'])
 def test_fit_methods_equal_large_batch(data, method):
     "No `drop_last` argument: the default follows fastai's loader, and every fit method is the large batch's"
-    large = MAKERS[data](64); quiet(large, FITS[method])
-    accum = MAKERS[data](16, GradientAccumulation(64)); quiet(accum, FITS[method])
+    bs = dict(digits=64, tabular=96)[data] # 1500 and 455 samples: the micro-batch loader leaves a short window the large one drops
+    large = MAKERS[data](bs); quiet(large, FITS[method])
+    accum = MAKERS[data](16, GradientAccumulation(bs)); quiet(accum, FITS[method])
     assert_same_training(large, accum)
     assert max_param_diff(large, accum) < 1e-8
     for k in vars(large.recorder).get('hps', {}): test_close(accum.recorder.hps[k], large.recorder.hps[k], eps=1e-12)
@@ -166,7 +167,7 @@ def test_lr_find_language_model(cb):
     check_same_lr_find(large, other, 20, lr_find(large, 20), lr_find(other, 20))
 
 def test_lr_find_tabular():
-    large,accum = tabular_learn(64),tabular_learn(16, GradientAccumulation(64))
+    large,accum = tabular_learn(96),tabular_learn(16, GradientAccumulation(96))
     check_same_lr_find(large, accum, 30, lr_find(large, 30), lr_find(accum, 30))
 
 # ---- 5: other callbacks see optimizer steps ----
@@ -218,7 +219,7 @@ def test_cancelled_micro_batch_adds_no_samples(how, order):
     test_eq(accum.gradient_accumulation.n_steps, 4)
 
 # ---- 6: ShowGraphCallback and the progress bar ----
-class Graphs(Callback):
+class GraphLog(Callback):
     "Keep what `ShowGraphCallback` hands the master bar, and the bar's total at every training micro-batch"
     order = ProgressCallback.order+1
     def before_fit(self):
@@ -226,22 +227,23 @@ class Graphs(Callback):
         self.progress.mbar.update_graph = lambda graphs, x_bounds=None, y_bounds=None, **kw: self.graphs.append((graphs, x_bounds, y_bounds))
     def after_batch(self):
         if self.training: self.totals.append((self.progress.pbar.total, self.progress.pbar.last_v))
+    def before_train(self): self.totals.append((self.progress.pbar.total, None)) # the bar as the epoch starts
 
 def graph_run(bs, cbs):
-    learn = digits_learn(bs, cbs=L(cbs) + [ProgressCallback(), ShowGraphCallback(), Graphs()])
+    learn = digits_learn(bs, cbs=L(cbs) + [ProgressCallback(), ShowGraphCallback(), GraphLog()])
     with learn.no_logging(): learn.fit_one_cycle(2, 1e-2)
     return learn
 
 def test_show_graph_and_progress_in_steps():
     large,accum = graph_run(64, []),graph_run(16, GradientAccumulation(64))
-    (trn,val),xb,yb = accum.graphs.graphs[-1]
+    (trn,val),xb,yb = accum.graph_log.graphs[-1]
     test_eq(list(val[0]), [23, 46]) # validation at the optimizer steps done, the train curve's axis
     test_eq(xb, (0, 46)); test_eq(list(trn[0]), list(range(46)))
-    for (g1,x1,y1),(g2,x2,y2) in zip(accum.graphs.graphs, large.graphs.graphs): # the large batch's figure
+    for (g1,x1,y1),(g2,x2,y2) in zip(accum.graph_log.graphs, large.graph_log.graphs): # the large batch's figure
         test_eq(list(g1[0][0]), list(g2[0][0])); test_eq(list(g1[1][0]), list(g2[1][0])); test_eq(x1, x2)
         test_close(torch.stack(list(g1[0][1])), torch.stack(list(g2[0][1])), eps=1e-10)
     # the bar counts 23 optimizer steps from the epoch's first micro-batch on
-    test_eq({t for t,_ in accum.graphs.totals}, {23})
+    test_eq({t for t,_ in accum.graph_log.totals}, {23})
 
 # ---- 7: misuse ----
 @pytest.mark.parametrize('a,b', [

@@ -7,6 +7,7 @@ from __future__ import annotations
 from fastai.basics import *
 from fastai.callback.schedule import ParamScheduler, LRFinder
 from fastai.callback.progress import ProgressCallback, ShowGraphCallback
+from fastprogress.fastprogress import progress_bar
 
 # %% auto #0
 __all__ = ['accum_callback', 'accum_logger', 'fastai_method']
@@ -79,15 +80,14 @@ def after_batch(self:ProgressCallback):
     if hasattr(self, 'smooth_loss'): self.pbar.comment = f'{self.smooth_loss.item():.4f}'
 
 # %% ../../nbs/callback.recorder.ipynb #5c1a6db0
-_progress_before_train = fastai_method(ProgressCallback, 'before_train')
+_progress_launch_pbar = fastai_method(ProgressCallback, '_launch_pbar')
 
 @patch
-def before_train(self:ProgressCallback):
-    "A bar in optimizer steps from the epoch's first micro-batch while accumulating (when the windows are known ahead)"
-    _progress_before_train(self)
-    cb = accum_logger(self.learn)
-    if cb is None or cb.plan is None: return
-    self.pbar.total = cb.plan.n_windows
+def _launch_pbar(self:ProgressCallback):
+    "fastai's bar over the loader; while accumulating, over the epoch's optimizer steps from the start (windows known ahead)"
+    cb = accum_logger(self.learn) # training only: validation counts its batches
+    if cb is None or cb.plan is None: return _progress_launch_pbar(self)
+    self.pbar = progress_bar(self.dl, parent=getattr(self, 'mbar', None), leave=False, total=cb.plan.n_windows)
     self.pbar.update(0)
 
 # %% ../../nbs/callback.recorder.ipynb #8fb82e85
