@@ -61,7 +61,8 @@ class WindowPlan:
     def __repr__(self): return f'{type(self).__name__}(n_windows={self.n_windows}, drop_from={self.drop_from})'
 
 # %% ../../nbs/callback.gradaccum.ipynb #6f14db6b
-def loader_drop_last(dl)->bool:
+def loader_drop_last(dl, # A fastai or PyTorch `DataLoader`
+                    )->bool:
     "The `drop_last` of a fastai or PyTorch loader: whether it drops the epoch's short last batch (`False` if it does not say)"
     d = getattr(dl, 'drop_last', False)
     return d if isinstance(d, bool) else False
@@ -90,7 +91,7 @@ def check_one_learner(cb:Callback, learn:Learner|None):
 # %% ../../nbs/callback.gradaccum.ipynb #96a00347
 class GradientAccumulation(Callback):
     "Accumulate gradients over micro-batches and step once per `accum_bs` samples, with the exact large-batch gradient"
-    order,run_valid = MixedPrecision.order-4,False # before `MixedPrecision`: only a window's last micro-batch reaches the scaler
+    order,run_valid = MixedPrecision.order-4,False # before `MixedPrecision` and `ParamScheduler`: a window's weights and pct_train first
     _learn,splits_batches = None,True
     def __init__(self,
         accum_bs:int|None=None, # Samples per optimizer step (per process); `None` uses `n_acc`
@@ -109,7 +110,7 @@ class GradientAccumulation(Callback):
     # Learner (and, through it, the model) for shadowing, a lookup that would cost more than the rest of the callback
     _state = frozenset('accumulating window_open window_closed plan sync n_steps i_window window_bs window_pct closes '
                        'mb_samples mb_items n_samples n_items loss_sum ref _discard _skipped_tail _bn_checked '
-                       'n_seen train_step window_held _drop _stepped _did_backward'.split())
+                       'n_seen train_step window_held _drop _stepped'.split())
     def __setattr__(self, name, value):
         "Set an attribute (the callback's own state without fastai's shadowing check)"
         if name in self._state: object.__setattr__(self, name, value)
@@ -160,7 +161,7 @@ class GradientAccumulation(Callback):
         self.n_seen += n
         full,last = self.n_seen >= self.window_bs,learn.iter == learn.n_iter-1
         self.closes = full or (last and not self._drop) # windows never span epochs
-        self._discard,self._stepped,self._did_backward = last and not full and self._drop,False,False
+        self._discard,self._stepped = last and not full and self._drop,False
         if self.sync is not None: self.sync.before_forward(self.closes) # DDP: all-reduce only in the window's last backward
 
     def before_backward(self):
@@ -178,7 +179,6 @@ class GradientAccumulation(Callback):
 
     def _backward(self):
         self.learn._backward()
-        self._did_backward = True
         # only a micro-batch whose backward ran is counted: one cancelled before it adds nothing to the window's mean
         self.n_samples += self.mb_samples
         self.n_items = self.n_items + self.mb_items
