@@ -53,7 +53,8 @@ COMPARISONS = [(OURS_LOG, FASTAI, 1.02), (OURS_NOLOG, FASTAI, 1.02), (OURS_LOG, 
 MODELS = {'mlp': ('MLP 64-128-128-10', lambda: mlp(128, 2), False),
           'cnn': ('CNN conv(1->16, 3x3) conv(16->32, 3x3, stride 2) linear(512->10) on 1x8x8', lambda: cnn(16), True)}
 
-PATCHED = (Recorder, ParamScheduler, ProgressCallback) # `fastxtend_accum.callback.recorder` patches their `after_batch`
+# the library patches their `after_batch` (and the bar's `_launch_pbar`), `Learner.fit`/`_do_grad_opt`, fastai's GA's `before_fit`
+PATCHED = (Recorder, ParamScheduler, ProgressCallback, Learner, FastaiGradientAccumulation)
 
 @contextmanager
 def fastai_as_shipped():

@@ -55,10 +55,20 @@ def test_drop_last(one_cycle):
     test_eq(accum.recorder.iters, [23, 46])
 
 def test_loader_drop_last():
-    "A micro-batch loader that drops its own short micro-batch trains on the samples it yields"
-    accum = run(16, GradientAccumulation(64), drop_last=True)         # 1488 samples: 23 windows of 64, one of 16
+    "With `drop_last=False`, a micro-batch loader that drops its own short micro-batch trains on the samples it yields"
+    accum = run(16, GradientAccumulation(64, drop_last=False), drop_last=True) # 1488 samples: 23 windows of 64, one of 16
     large = run(64, n_train=1488)
     assert max_param_diff(large, accum) < 1e-8
+
+@pytest.mark.parametrize('torch_loader', [False, True])
+def test_drop_last_follows_the_loader(torch_loader):
+    "By default the short last window goes when the loader drops its short last batch (fastai's training default)"
+    accum = run(16, GradientAccumulation(64), drop_last=True, shuffle=True, torch_loader=torch_loader)
+    large = run(64, drop_last=True, shuffle=True, torch_loader=torch_loader)
+    assert_same_training(large, accum)
+    test_eq(accum.recorder.iters, [23, 46])
+    kept = run(16, GradientAccumulation(64), shuffle=True, torch_loader=torch_loader) # the loader keeps it: so do we
+    assert_same_training(run(64, shuffle=True, torch_loader=torch_loader), kept)
 
 def test_sizes_unknown_ahead():
     "A loader whose micro-batch sizes are not known ahead still gives exact windows (progress then counts micro-batches)"

@@ -99,7 +99,9 @@ def test_per_optimizer_step(tmp_path):
     assert [r['raw_loss'] for r in train] == pytest.approx([w['loss'] for w in win], rel=1e-12) # the window's loss
     assert [r['lr_0'] for r in train] == pytest.approx(rec.hps['lr'], rel=1e-12)
     assert [r['mom_0'] for r in train] == pytest.approx(rec.hps['mom'], rel=1e-12)
-    assert [r['accum_bs'] for r in train] == rec.hps['accum_bs'] and rec.hps['accum_bs'][0] == 32 and rec.hps['accum_bs'][-1] == 128
+    assert [r['accum_bs'] for r in train] == rec.hps['accum_bs'] and rec.hps['accum_bs'][0] == 32 and max(rec.hps['accum_bs']) == 128
+    # accum_bs is what each window held: an epoch's short last window (500 = 31*16 + 4) logs its real sample count
+    assert rec.hps['accum_bs'] == [w['n'] for w in win] and rec.hps['accum_bs'][-1] < 128
     # the epoch axis: epochs done at each window's end, in micro-batches; whole at each epoch's end
     assert [r['epoch'] for r in train] == pytest.approx([w['epoch'] + (w['iter']+1)/w['n_iter'] for w in win], abs=1e-9)
     ends = [k for k,w in enumerate(win) if w['iter'] == w['n_iter']-1]
@@ -139,7 +141,8 @@ def test_per_micro_batch(tmp_path):
     assert [r['_step'] for r in train] == list(range(n_mb))
     assert [r['train_loss'] for r in train] == pytest.approx([float(o) for o in rec.losses], rel=1e-12)
     assert [r['epoch'] for r in train] == pytest.approx([e + (i+1)/32 for e in range(n_epoch) for i in range(32)], abs=1e-9)
-    assert {r['accum_bs'] for r in train} == {64}
+    # the window's target on its micro-batches, what it held on its last one: 500 = 7*64 + 52
+    assert [r['accum_bs'] for r in train] == ([64]*31 + [52])*n_epoch
     # TensorBoard: fastai's steps, and fastai's repeats of the last point during validation (2 validation batches)
     assert sorted({s for s,_ in tb['train_loss']}) == list(range(1, n_mb+1))
     assert len(tb['train_loss']) == n_mb + n_epoch*len(learn.dls.valid)
@@ -160,3 +163,22 @@ def test_no_vision_import():
             "import fastxtend_accum.all; print(vis()); import fastai.callback.tensorboard; print(vis())")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.strip().split('\n')
     assert out == ["[]", "['fastai.vision', 'fastai.vision.core', 'fastai.vision.data']"], out
+
+WANDB_AFTER = """
+import os, sys; os.environ.update(WANDB_MODE='offline', WANDB_SILENT='true')
+from fastxtend_accum.all import *
+from fastxtend_accum.test_utils import digits_learner
+from fastai.callback.wandb import WandbCallback # after this library
+import wandb
+run = wandb.init(project='fastxtend-accum-tests', dir=sys.argv[1], mode='offline')
+learn = digits_learner(64, n_train=200) # no accumulation callback in this fit: the fix comes from the library's import
+with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=WandbCallback(log_preds=False, log_model=False))
+run.finish()
+print(len(learn.recorder.losses))
+"""
+
+def test_wandb_fix_whatever_the_import_order(tmp_path):
+    "fastai.callback.wandb imported after this library: its fastcore-2 fix still applies (fastai 2.8.12 crashes in before_fit without it)"
+    out = subprocess.run([sys.executable, '-c', WANDB_AFTER, str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().split('\n')[-1] == '4' # 200 samples in batches of 64: the fit ran to its end

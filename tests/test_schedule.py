@@ -86,7 +86,7 @@ def test_float_start_finish():
     ramp = [t for e,i,_,t in exp if 0.25 <= (e + i/n)/n_epoch < 0.75]
     assert ramp == sorted(ramp) and 32 <= ramp[0] < ramp[-1] <= 160 and len(set(ramp)) >= 4
     assert all(t % MBS == 0 for *_,t in exp)
-    assert learn.recorder.hps['accum_bs'] == [t for *_,t in exp]
+    assert learn.recorder.hps['accum_bs'] == [N for _,_,N,_ in exp] # what each window held: the short last ones too
     assert cb.n_steps == len(exp)
     d = max_param_diff(learn, replay(exp, n_train, n_epoch)); print('float', d)
     assert d < 1e-8
@@ -157,11 +157,11 @@ def test_log_accum_batch_false_and_normalize_by():
     assert max_param_diff(ref, per_mb) < 1e-12 and max_param_diff(ref, counted) < 1e-10
 
 def test_lr_find(tmp_path):
-    "lr_find runs its own short fit: the size stays at start_accum_bs, and int positions beyond it are no error"
+    "lr_find runs its own short fit of num_it optimizer steps: the size stays at start_accum_bs"
     cb = GradientAccumulationSchedule(32, 128, start=1, finish=3)
     learn = digits_learner(MBS, n_train=500, cbs=[cb, WindowLog()], path=tmp_path) # lr_find saves the model under `path`
     with learn.no_logging(), learn.no_bar(): learn.lr_find(num_it=20, show_plot=False)
-    assert {t for *_,t in learn.window_log.windows} == {32} and len(learn.window_log.windows) == 10
+    assert {t for *_,t in learn.window_log.windows} == {32} and len(learn.window_log.windows) == 20 # num_it steps
     learn = fit(cb, 4, 500, learn=learn)              # then the schedule runs as planned
     exp = expected_windows(500, 4, bs_schedule(32, 128, 1/4, 3/4, SchedCos))
     assert learn.window_log.windows == exp
@@ -203,8 +203,6 @@ def test_bad_input():
     _fails(lambda: G(32, 64, schedule=None), '`schedule` must be a fastai annealer')
     _fails(lambda: G(32, 64, schedule=SchedCos(32, 64)), '`schedule` must be called as `schedule(start, end)`')
     # what needs the fit: its epochs, and the micro-batch size
-    _fails(lambda: fit(G(32, 64, finish=3), 2, 500), '`finish`=3 is beyond training: this fit runs 2 epochs')
-    _fails(lambda: fit(G(32, 64, start=3, finish=1.0), 2, 500), '`start`=3 is beyond training')
     _fails(lambda: fit(G(32, 64, start=1, finish=0.2), 2, 500), '`start`=1 is after `finish`=0.2')
     _fails(lambda: fit(G(32, 8), 1, 500), '`final_accum_bs`=8 is below the micro-batch size 16')
     _fails(lambda: fit(G(8, 64), 1, 500), '`start_accum_bs`=8 is below the micro-batch size 16')
@@ -218,3 +216,16 @@ def test_not_a_multiple_warns():
         learn = fit(GradientAccumulationSchedule(40, 40), 1, 500)
     assert any('`start_accum_bs`=40 is not a multiple of the micro-batch size 16: its windows hold 48 samples' in str(o.message) for o in w)
     assert {N for _,_,N,_ in learn.window_log.windows[:-1]} == {48}
+
+@pytest.mark.parametrize('start,finish,pct_start,pct_finish', [(0, 3, 0, 1.), (3, 1.0, 1., 1.), (1, 5, 0.5, 1.)])
+def test_past_the_end_warns_and_holds(start, finish, pct_start, pct_finish):
+    "An epoch index past the end of the fit (fine_tune's 1-epoch frozen fit, say) warns once and is the end of training"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        learn = fit(GradientAccumulationSchedule(32, 64, start=start, finish=finish), 2, 500)
+    msgs = [str(o.message) for o in w if 'past the end of this fit' in str(o.message)]
+    test_eq(len(msgs), 1)
+    assert 'of 2 epoch(s)' in msgs[0]
+    exp = expected_windows(500, 2, bs_schedule(32, 64, pct_start, pct_finish, SchedCos))
+    assert learn.window_log.windows == exp
+    assert max_param_diff(learn, replay(exp, 500, 2)) < 1e-8

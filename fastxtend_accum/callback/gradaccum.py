@@ -8,13 +8,15 @@ import contextlib, numbers, warnings
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
 from fastai.data.load import DataLoader as FastaiDataLoader
+from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from .recorder import *
 from .loggers import patch_loggers
 from ..normalize import *
 from ..distributed import *
 
 # %% auto #0
-__all__ = ['check_positive_int', 'micro_batch_sizes', 'WindowPlan', 'GradientAccumulation']
+__all__ = ['check_positive_int', 'micro_batch_sizes', 'WindowPlan', 'loader_drop_last', 'accumulation_callbacks',
+           'check_one_accumulation', 'check_one_learner', 'GradientAccumulation']
 
 # %% ../../nbs/callback.gradaccum.ipynb #682a56a8
 def check_positive_int(name:str, value)->int:
@@ -59,11 +61,39 @@ class WindowPlan:
         return len(self.starts)
     def __repr__(self): return f'{type(self).__name__}(n_windows={self.n_windows}, drop_from={self.drop_from})'
 
+# %% ../../nbs/callback.gradaccum.ipynb #6f14db6b
+def loader_drop_last(dl, # A fastai or PyTorch DataLoader
+                    )->bool:
+    "The `drop_last` of a fastai or PyTorch loader: whether it drops the epoch's short last batch (`False` if it does not say)"
+    d = getattr(dl, 'drop_last', False)
+    return d if isinstance(d, bool) else False
+
+# %% ../../nbs/callback.gradaccum.ipynb #72187107
+def _where(cb)->str: return f"{type(cb).__module__.split('.')[0]}'s {type(cb).__name__}"
+
+def accumulation_callbacks(learn:Learner)->list:
+    "The callbacks on `learn` that split batches or accumulate gradients: this library's and fastai's `GradientAccumulation`"
+    return [cb for cb in learn.cbs if isinstance(cb, FastaiGradientAccumulation) or getattr(type(cb), 'splits_batches', False)]
+
+def check_one_accumulation(cb:Callback):
+    "Raise if another accumulation callback is in `cb`'s fit: two of them would each take the other's micro-batches"
+    other = next((o for o in accumulation_callbacks(cb.learn) if o is not cb), None)
+    if other is not None:
+        raise ValueError(f"{type(cb).__name__} and {type(other).__name__} both split the batch in this fit ({_where(cb)} and "
+                         f"{_where(other)}): use one accumulation callback")
+
+def check_one_learner(cb:Callback, learn:Learner|None):
+    "Raise if `cb` is attached to `learn` while still attached to another `Learner`: its window state belongs to one"
+    old = getattr(cb, '_learn', None)
+    if learn is not None and old is not None and learn is not old:
+        raise ValueError(f"This {type(cb).__name__} is already attached to another Learner ({type(old).__name__} at {id(old):#x}, "
+                         f"model {type(old.model).__name__}): give each Learner its own {type(cb).__name__}, or `remove_cb` it first")
+
 # %% ../../nbs/callback.gradaccum.ipynb #96a00347
 class GradientAccumulation(Callback):
     "Accumulate gradients over micro-batches and step once per `accum_bs` samples, with the exact large-batch gradient"
-    order,run_valid = MixedPrecision.order-4,False # before `MixedPrecision`: only a window's last micro-batch reaches the scaler
-    _learn = None
+    order,run_valid = MixedPrecision.order-4,False # before `MixedPrecision` and `ParamScheduler`: a window's weights and pct_train first
+    _learn,splits_batches = None,True
     def __init__(self,
         accum_bs:int|None=None, # Samples per optimizer step (per process); None: n_acc
         n_acc:int=32, # fastai's name for accum_bs, used when accum_bs is None
@@ -80,7 +110,8 @@ class GradientAccumulation(Callback):
     # the callback's own state, set on every micro-batch: fastai's `Callback.__setattr__` checks each name against the
     # Learner (and, through it, the model) for shadowing, a lookup that would cost more than the rest of the callback
     _state = frozenset('accumulating window_open window_closed plan sync n_steps i_window window_bs window_pct closes '
-                       'mb_samples mb_items n_samples n_items loss_sum ref _discard _skipped_tail _bn_checked'.split())
+                       'mb_samples mb_items n_samples n_items loss_sum ref _discard _skipped_tail _bn_checked '
+                       'n_seen train_step window_held _drop _stepped'.split())
     def __setattr__(self, name, value):
         "Set an attribute (the callback's own state without fastai's shadowing check)"
         if name in self._state: object.__setattr__(self, name, value)
@@ -92,6 +123,7 @@ class GradientAccumulation(Callback):
         return self._learn
     @learn.setter
     def learn(self, learn):
+        check_one_learner(self, learn)
         # `remove_cb`, and the end of `fit(cbs=...)` even when it raised, detach us: leave no gradients behind
         if learn is None and self._learn is not None:
             self._abandon_window()
@@ -100,13 +132,15 @@ class GradientAccumulation(Callback):
 
     def before_fit(self):
         "Start clean, even after a fit that was interrupted mid-window"
+        check_one_accumulation(self)
         patch_loggers() # fastai's W&B/TensorBoard callbacks, if the user imported them: a row per optimizer step
         self._abandon_window()
-        self.accumulating,self.n_steps,self.sync,self._bn_checked = True,0,None,False
+        self.accumulating,self.n_steps,self.train_step,self.sync,self._bn_checked = True,0,0,None,False
 
     def before_train(self):
         "Plan the epoch's windows from the loader's micro-batch sizes, where they are known ahead"
         self._abandon_window()
+        self._drop = loader_drop_last(self.dl) if self.drop_last is None else self.drop_last
         sizes = micro_batch_sizes(self.dl)
         self.plan = None if sizes is None else self._plan(sizes)
         self.i_window,self._skipped_tail = -1,False
@@ -124,42 +158,64 @@ class GradientAccumulation(Callback):
             self._warn_once('plan', f"The training loader yielded a micro-batch of {n} samples where {self.plan.sizes[learn.iter]} "
                             "were expected: windows stay exact, but progress is now counted in micro-batches")
             self.plan = None
-        full,last = self.n_samples + n >= self.window_bs,learn.iter == learn.n_iter-1
-        self.closes = full or (last and not self.drop_last) # windows never span epochs
-        self._discard = last and not full and self.drop_last
+        # windows close on the samples the loader yielded (as the large batch's would), whether or not each did backward
+        self.n_seen += n
+        full,last = self.n_seen >= self.window_bs,learn.iter == learn.n_iter-1
+        self.closes = full or (last and not self._drop) # windows never span epochs
+        self._discard,self._stepped = last and not full and self._drop,False
         if self.sync is not None: self.sync.before_forward(self.closes) # DDP: all-reduce only in the window's last backward
 
     def before_backward(self):
         "Weight the micro-batch's loss by its items over the window's expected items"
         learn = self.learn
         if self.ref is None: self.ref = self._window_ref()
-        self.n_samples += self.mb_samples
-        self.n_items = self.n_items + self.mb_items
-        loss = learn.loss.detach()*self.mb_items
-        # a micro-batch with no items (all padding) has a NaN mean loss: it adds nothing to the window's loss
-        self.loss_sum = self.loss_sum + (loss if self._by_samples else torch.where(self.mb_items > 0, loss, 0.))
         w = self.mb_items/self.ref
         learn.loss_grad = learn.loss_grad * (w if self._by_samples else w.to(learn.loss_grad.dtype))
-        self.window_closed = self.closes
 
-    def before_step(self):
-        "Step only when the window closes, on the mean gradient over the window's samples"
-        if self._discard: # `drop_last` with a loader whose sizes were not known ahead: the compute is done, drop the result
-            self._abandon_window()
-            raise CancelBatchException()
-        if not self.window_closed: raise CancelBatchException() # keep the gradients: no step, no `zero_grad`
-        if self.n_samples > self.window_bs:
+    def grad_opt(self):
+        "fastai's `_do_grad_opt` for a micro-batch: backward always; the step events, step and `zero_grad` once per window"
+        self.learn._with_events(self._backward, 'backward', CancelBackwardException)
+        if self._discard: return self._abandon_window() # `drop_last`, sizes not known ahead: the compute is done, drop it
+        if self.closes: self._step_window()
+
+    def _backward(self):
+        self.learn._backward()
+        # only a micro-batch whose backward ran is counted: one cancelled before it adds nothing to the window's mean
+        self.n_samples += self.mb_samples
+        self.n_items = self.n_items + self.mb_items
+        loss = self.learn.loss.detach()*self.mb_items
+        # a micro-batch with no items (all padding) has a NaN mean loss: it adds nothing to the window's loss
+        self.loss_sum = self.loss_sum + (loss if self._by_samples else torch.where(self.mb_items > 0, loss, 0.))
+
+    def _step_window(self):
+        "Close the window: the exact mean gradient, then one optimizer step that every callback sees (and may cancel) once"
+        learn,self._stepped = self.learn,True
+        if self.sync is None and not self.n_samples: return self._abandon_window() # every micro-batch was cancelled
+        if self.n_seen > self.window_bs:
             self._warn_once('size', f"Micro-batches of {self.mb_samples} samples do not divide accum_bs={self.window_bs}: "
-                            f"windows close at {self.n_samples} samples, and each step uses the mean gradient over its window")
+                            f"windows close at {self.n_seen} samples, and each step uses the mean gradient over its window")
         if self.sync is not None: self._sum_over_processes()
         scale = self._grad_scale()
         if scale is not None: self._scale_grads(scale)
+        # `before_step` callbacks (clipping, fp16 unscaling, a user's guard) see the window's mean gradient; a
+        # `CancelStepException` skips the window, and fastai's `zero_grad` clears it, as on the large batch
+        learn._with_events(self._step, 'step', CancelStepException)
+        learn.opt.zero_grad()
+        self.window_closed,self.window_held,self.train_step = True,self.n_samples,self.train_step+1
+
+    def _step(self):
+        self.learn._step()
         self.n_steps += 1
+
+    def after_cancel_batch(self):
+        "A window whose last micro-batch a callback cancelled still closes, on the micro-batches that did backward"
+        if self.window_open and self.closes and not self._stepped: self._step_window()
 
     def after_batch(self):
         "Hand the window's loss to the Recorder when the window closes"
         if self.sync is not None: self.sync.after_backward()
         if not self.window_closed: return
+        if not self.n_samples: self.window_open = self.window_closed = False; return # nothing did backward: no record
         # the item-weighted mean over the window: the loss of the large batch it stands for
         if self.log_accum_batch: self.learn.loss = (self.loss_sum/self.n_items).to(self.learn.loss.dtype)
         self.window_open = False
@@ -177,6 +233,18 @@ class GradientAccumulation(Callback):
         self._end_fit()
 
     @property
+    def held_bs(self)->int:
+        "Samples in the window: what it held once closed (an epoch's short last window too), its target before"
+        return self.window_held if self.window_closed else self.window_bs
+
+    def epochs_for(self, n_steps:int)->int:
+        "Epochs a fit needs for `n_steps` optimizer steps, as `lr_find` counts them (`n_steps//steps_per_epoch + 1`)"
+        self._drop = loader_drop_last(self.dls.train) if self.drop_last is None else self.drop_last
+        sizes = micro_batch_sizes(self.dls.train)
+        w = None if sizes is None else self._plan(sizes).n_windows
+        return n_steps+1 if not w else n_steps//w + 1 # not known ahead: at least a step per epoch
+
+    @property
     def progress(self)->tuple:
         "Optimizer steps done this epoch and their total, for the progress bar (micro-batches if the plan is unknown)"
         return (self.i_window+1, self.plan.n_windows) if self.plan is not None else (self.iter+1, self.n_iter)
@@ -185,13 +253,14 @@ class GradientAccumulation(Callback):
         p = self.plan
         if p is not None and p.drop_from is not None and self.iter >= p.drop_from:
             if p.n_windows == 0: self._warn_once('empty', f"drop_last=True and the epoch holds fewer than accum_bs={self.accum_bs} samples: no step")
-            self._skipped_tail = True
-            raise CancelTrainException() # what is left is a short window that `drop_last` discards: skip its compute
+            # a fastai loader drew its shuffle up front: skip the compute of the short window `drop_last` discards. A PyTorch
+            # sampler may draw from its seeded generator until exhausted: run the loader to its end, and discard the window then
+            if isinstance(self.dl, FastaiDataLoader): self._skipped_tail = True; raise CancelTrainException()
         self._check_bn()
         self.i_window += 1
         self.window_bs = self._window_bs()
-        self.n_samples,self.n_items,self.loss_sum,self.ref = 0,0,0.,None
-        self.window_open,self.window_closed,self._discard = True,False,False
+        self.n_samples,self.n_seen,self.n_items,self.loss_sum,self.ref = 0,0,0,0.,None
+        self.window_open,self.window_closed,self._discard,self.window_held = True,False,False,0
         self.window_pct = self._window_pct()
 
     def _window_pct(self)->float:
@@ -242,7 +311,7 @@ class GradientAccumulation(Callback):
     @property
     def _by_samples(self): return type(self.counter) is SampleCount
 
-    def _plan(self, sizes:list[int])->WindowPlan: return WindowPlan(sizes, self.accum_bs, self.drop_last)
+    def _plan(self, sizes:list[int])->WindowPlan: return WindowPlan(sizes, self.accum_bs, self._drop)
 
     def _end_fit(self):
         "Drop the open window and stop recording per step"
@@ -276,9 +345,35 @@ _learner_fit = fastai_method(Learner, 'fit')
 @patch
 def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, start_epoch=0):
     "fastai's `fit`; if it raises, attached accumulation callbacks drop their open window's gradients"
+    patch_loggers() # fastai's W&B/TensorBoard modules, whenever they were imported (before or after this library)
     try: return _learner_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=start_epoch)
     except BaseException:
         for cb in self.cbs:
             if isinstance(cb, GradientAccumulation):
                 with contextlib.suppress(Exception): cb._end_fit() # never hide the error that stopped the fit
         raise
+
+# %% ../../nbs/callback.gradaccum.ipynb #1428eb8d
+_learner_do_grad_opt = fastai_method(Learner, '_do_grad_opt')
+
+@patch
+def _do_grad_opt(self:Learner):
+    "fastai's backward, step and `zero_grad`; while a fit accumulates, the step and `zero_grad` once per window"
+    cb = accum_callback(self)
+    if cb is None: return _learner_do_grad_opt(self)
+    cb.grad_opt()
+
+# %% ../../nbs/callback.gradaccum.ipynb #d9852f6e
+_fastai_ga_before_fit = fastai_method(FastaiGradientAccumulation, 'before_fit')
+_fastai_ga_warned = False
+
+@patch
+def before_fit(self:FastaiGradientAccumulation):
+    "fastai's `GradientAccumulation.before_fit`, with a one-time warning that it is not this library's"
+    global _fastai_ga_warned
+    if not _fastai_ga_warned:
+        _fastai_ga_warned = True
+        warnings.warn("fastai's own GradientAccumulation (fastai.callback.training) runs in this fit, not fastxtend_accum's "
+                      "exact one: a later `from fastai... import *` replaced the name. Import `fastxtend_accum.all` after "
+                      "fastai (or use `fastxtend_accum.tabular.all`, `.text.all`, `.callback.all`)", stacklevel=2)
+    _fastai_ga_before_fit(self)

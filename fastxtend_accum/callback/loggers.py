@@ -59,7 +59,7 @@ def _patch_wandb(mod):
         if cb is None:
             _wandb_after_batch(self)
             acc = accum_callback(self.learn)
-            if acc is not None and self.training: wandb.log({'accum_bs': acc.window_bs}, step=self._wandb_step)
+            if acc is not None and self.training: wandb.log({'accum_bs': acc.held_bs}, step=self._wandb_step)
             return
         self._wandb_epoch += 1/self.n_iter # the epoch axis moves with every micro-batch...
         if not cb.window_closed: return    # ...a row is written once per optimizer step
@@ -67,7 +67,7 @@ def _patch_wandb(mod):
         self._wandb_step += 1
         hypers = {f'{k}_{i}':v for i,h in enumerate(self.opt.hypers) for k,v in h.items()}
         wandb.log({'epoch': self._wandb_epoch, 'train_loss': self.smooth_loss, 'raw_loss': self.loss,
-                   'accum_bs': cb.window_bs, **hypers}, step=self._wandb_step)
+                   'accum_bs': cb.held_bs, **hypers}, step=self._wandb_step)
         wandb.log({'train_samples_per_sec': cb.n_samples/window_time}, step=self._wandb_step)
 
 _patchers['fastai.callback.wandb'] = _patch_wandb
@@ -85,7 +85,7 @@ def _patch_tensorboard(mod):
         # per optimizer step: only when a window closes, never while validating (fastai re-logs the last values there, same step)
         if acc is not None and acc.log_accum_batch and not (self.training and acc.window_closed): return
         _tb_after_batch(self)
-        if acc is not None and self.training: self.writer.add_scalar('accum_bs', acc.window_bs, self.train_iter)
+        if acc is not None and self.training: self.writer.add_scalar('accum_bs', acc.held_bs, self.train_iter)
 
 _patchers['fastai.callback.tensorboard'] = _patch_tensorboard
 patch_loggers()

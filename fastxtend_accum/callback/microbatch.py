@@ -10,7 +10,7 @@ from itertools import accumulate
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
-from .gradaccum import GradientAccumulation, check_positive_int
+from .gradaccum import GradientAccumulation, check_positive_int, check_one_accumulation, check_one_learner
 from .loggers import patch_loggers
 from ..normalize import *
 
@@ -85,7 +85,7 @@ class MicroBatching(Callback):
     "Split every training batch into micro-batches that fit in memory, and step once with the exact gradient of the batch"
     order,run_valid = 0,False # it takes over the forward and backward of training batches; validation is fastai's own
     timer = staticmethod(time.perf_counter) # the clock 'fastest' times steps with
-    _learn = None
+    _learn,splits_batches = None,True
     def __init__(self,
         micro_bs:int|str='auto', # Micro-batch size, 'auto' (the largest that fits) or 'fastest'
         normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
@@ -108,14 +108,13 @@ class MicroBatching(Callback):
         return self._learn
     @learn.setter
     def learn(self, learn):
+        check_one_learner(self, learn)
         if learn is None and self._learn is not None: self._uninstall() # `remove_cb`, or the end of `fit(cbs=...)`
         self._learn = learn
 
     def before_fit(self):
         "Take over the training batches' forward and backward; 'auto' and 'fastest' start again from the whole batch"
-        if any(isinstance(cb, (GradientAccumulation, FastaiGradientAccumulation)) for cb in self.learn.cbs):
-            raise ValueError("MicroBatching and GradientAccumulation both split the batch: use one of them (with MicroBatching, "
-                             "the loader's batch size is the batch each optimizer step sees)")
+        check_one_accumulation(self) # another MicroBatching, or a GradientAccumulation (this library's or fastai's)
         patch_loggers() # fastai's W&B callback, if the user imported it: a config fastcore 2 can format
         self._install()
         self.limit = self.micro_bs if isinstance(self.micro_bs, int) else None # largest micro-batch; `None`: the whole batch

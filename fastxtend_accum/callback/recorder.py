@@ -5,8 +5,9 @@
 # %% ../../nbs/callback.recorder.ipynb #317faa98
 from __future__ import annotations
 from fastai.basics import *
-from fastai.callback.schedule import ParamScheduler
-from fastai.callback.progress import ProgressCallback
+from fastai.callback.schedule import ParamScheduler, LRFinder
+from fastai.callback.progress import ProgressCallback, ShowGraphCallback
+from fastprogress.fastprogress import progress_bar
 
 # %% auto #0
 __all__ = ['accum_callback', 'accum_logger', 'fastai_method']
@@ -77,3 +78,54 @@ def after_batch(self:ProgressCallback):
     self.pbar.total = total
     self.pbar.update(done)
     if hasattr(self, 'smooth_loss'): self.pbar.comment = f'{self.smooth_loss.item():.4f}'
+
+# %% ../../nbs/callback.recorder.ipynb #5c1a6db0
+_progress_launch_pbar = fastai_method(ProgressCallback, '_launch_pbar')
+
+@patch
+def _launch_pbar(self:ProgressCallback):
+    "fastai's bar over the loader; while accumulating, over the epoch's optimizer steps from the start (windows known ahead)"
+    cb = accum_logger(self.learn) # training only: validation counts its batches
+    if cb is None or cb.plan is None: return _progress_launch_pbar(self)
+    self.pbar = progress_bar(self.dl, parent=getattr(self, 'mbar', None), leave=False, total=cb.plan.n_windows)
+    self.pbar.update(0)
+
+# %% ../../nbs/callback.recorder.ipynb #8fb82e85
+_showgraph_after_train = fastai_method(ShowGraphCallback, 'after_train')
+
+@patch
+def after_train(self:ShowGraphCallback):
+    "Place the epoch's validation point at the optimizer steps so far while recording per step: the train curve's x axis"
+    cb = accum_logger(self.learn)
+    if cb is None: return _showgraph_after_train(self)
+    self.nb_batches.append(cb.train_step)
+
+# %% ../../nbs/callback.recorder.ipynb #5147fc14
+_lrfinder_before_fit = fastai_method(LRFinder, 'before_fit')
+_lrfinder_before_batch = fastai_method(LRFinder, 'before_batch')
+_lrfinder_after_batch = fastai_method(LRFinder, 'after_batch')
+
+@patch
+def before_fit(self:LRFinder):
+    "fastai's, and while accumulating, the epochs that `num_it` optimizer steps need"
+    _lrfinder_before_fit(self)
+    cb = accum_callback(self.learn)
+    if cb is not None: self.learn.n_epoch = cb.epochs_for(self.num_it) # `_do_fit` reads it after `before_fit`
+
+@patch
+def before_batch(self:LRFinder):
+    "The lr of the current optimizer step (window) while accumulating, of the batch otherwise"
+    cb = accum_callback(self.learn)
+    if cb is None: return _lrfinder_before_batch(self)
+    self._update_val(cb.train_step/self.num_it)
+
+@patch
+def after_batch(self:LRFinder):
+    "Track the loss and stop after `num_it` optimizer steps while accumulating, after `num_it` batches otherwise"
+    cb = accum_callback(self.learn)
+    if cb is None: return _lrfinder_after_batch(self)
+    ParamScheduler.after_batch(self)
+    if not cb.window_closed: return
+    if self.smooth_loss < self.best_loss: self.best_loss = self.smooth_loss
+    if self.smooth_loss > 4*self.best_loss and self.stop_div: raise CancelFitException()
+    if cb.train_step >= self.num_it: raise CancelFitException()

@@ -87,7 +87,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
 
     def after_batch(self):
         "Record the window's size where the Recorder records lr: once per optimizer step, or per micro-batch"
-        if self.window_closed or not self.log_accum_batch: self.accum_bss.append(self.window_bs)
+        if self.window_closed or not self.log_accum_batch: self.accum_bss.append(self.held_bs) # what the window held
         super().after_batch()
 
     def after_fit(self):
@@ -110,7 +110,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
 
     def _window_bs(self)->int: return self.accum_bs_at(self._pct(self.iter, self.n_iter))
     def _plan(self, sizes:list[int])->WindowPlan:
-        return WindowPlan(sizes, lambda i: self.accum_bs_at(self._pct(i, len(sizes))), self.drop_last)
+        return WindowPlan(sizes, lambda i: self.accum_bs_at(self._pct(i, len(sizes))), self._drop)
 
     def _window_pct(self)->float:
         "Hyper-parameters follow the same clock as the size: training progress at the window's first micro-batch"
@@ -118,9 +118,10 @@ class GradientAccumulationSchedule(GradientAccumulation):
 
     def _pct_of(self, name, value)->float:
         if isinstance(value, float): return value
-        if value > self.n_epoch:
-            raise ValueError(f"`{name}`={value} is beyond training: this fit runs {self.n_epoch} epochs, so an epoch index "
-                             f"is at most {self.n_epoch} (the end of training)")
+        if value > self.n_epoch: # `fine_tune`'s one-epoch frozen fit, say: hold the size the schedule reaches at the end
+            self._warn_once(f'past-{name}', f"`{name}`={value} is past the end of this fit of {self.n_epoch} epoch(s): "
+                            f"the schedule {name}s at the end of training instead")
+            return 1.
         return value/self.n_epoch
 
     def _check_sizes(self):
