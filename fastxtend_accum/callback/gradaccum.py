@@ -72,7 +72,7 @@ def loader_drop_last(dl, # A fastai or PyTorch DataLoader
 def _where(cb)->str: return f"{type(cb).__module__.split('.')[0]}'s {type(cb).__name__}"
 
 def accumulation_callbacks(learn:Learner)->list:
-    "The callbacks on `learn` that split batches or accumulate gradients: this library's and fastai's `GradientAccumulation`"
+    "The callbacks on `learn` that split batches or accumulate gradients: this library's and fastai's GradientAccumulation"
     return [cb for cb in learn.cbs if isinstance(cb, FastaiGradientAccumulation) or getattr(type(cb), 'splits_batches', False)]
 
 def check_one_accumulation(cb:Callback):
