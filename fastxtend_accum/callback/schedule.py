@@ -123,6 +123,9 @@ class GradientAccumulationSchedule(GradientAccumulation):
 
     def _window_bs(self)->int: return self.accum_bs_at(self._pct(self.iter, self.n_iter))
     def _plan(self, sizes:list[int])->WindowPlan:
+        if self.micro_bs is None and sizes: # a batch sampler read ahead: its first micro-batch, as `before_batch` would find it
+            self.micro_bs = sizes[0]
+            self._check_sizes()
         return WindowPlan(sizes, lambda i: self.accum_bs_at(self._pct(i, len(sizes))), self.drop_last)
 
     def _window_pct(self)->float:
