@@ -43,7 +43,10 @@ def check_count(normalize_by, c)->Tensor:
         raise _bad_count(normalize_by, c)
     return torch.tensor(float(c), dtype=torch.float64)
 
-def check_counts(normalize_by, smallest:Tensor, total:Tensor):
+def check_counts(normalize_by, # The counter, named in the error
+                 smallest:Tensor, # The smallest count of the window's micro-batches
+                 total:Tensor, # The window's total count
+                ):
     "Raise if a window's counts were negative, NaN or infinite: one device sync per window, instead of one per micro-batch"
     lo,tot = torch.stack([smallest, total.to(smallest.device)]).tolist()
     if not (lo >= 0 and math.isfinite(tot)): raise _bad_count(normalize_by, lo if not lo >= 0 else tot)

@@ -32,7 +32,8 @@ def check_bool(name:str, value, none_ok:bool=False)->bool|None:
     raise ValueError(f"`{name}` must be True or False{' or None' if none_ok else ''}, got {value!r} ({type(value).__name__})")
 
 # %% ../../nbs/callback.gradaccum.ipynb #df1b22fd
-def check_weighable(model:nn.Module, **sizes):
+def check_weighable(model:nn.Module, # The model whose parameters the weights multiply
+                    **sizes):
     "Raise a `ValueError` for a window size (`accum_bs=...`) whose weights (1/size to size) the model's float dtypes cannot hold"
     for dt in {p.dtype for p in model.parameters() if p.is_floating_point()}:
         for name,v in sizes.items(): # the smallest weight, 1/v, must be a normal number: no precision lost, no overflow of v
@@ -50,7 +51,8 @@ def _random_states_kept(*gens):
         random.setstate(states[0]); np.random.set_state(states[1]); torch.set_rng_state(states[2])
         for g,s in zip(gens, states[3]): g.set_state(s)
 
-def sampler_sizes(dl:torch.utils.data.DataLoader)->list[int]|None:
+def sampler_sizes(dl:torch.utils.data.DataLoader, # A PyTorch loader with a `batch_sampler`
+                 )->list[int]|None:
     "Sizes of the batches a PyTorch loader's sized `batch_sampler` gives this epoch, read from a copy of it (`None` if it cannot tell)"
     bs,g = getattr(dl, 'batch_sampler', None),getattr(dl, 'generator', None)
     if bs is None or isinstance(dl.dataset, torch.utils.data.IterableDataset): return None
