@@ -88,16 +88,26 @@ class Unmeasurable(list):
     "A batch sampler (a list of batches) that cannot be copied, so its sizes cannot be read ahead"
     def __init__(self, batches): super().__init__(batches); import threading; self.lock = threading.Lock()
 
-def buckets_learner(rank, cbs, unsized=False):
+class Drifting:
+    "A batch sampler of 128 samples whose `len` is 8; from its 2nd iteration on, with `drift`, sizes [8]*7+[72] instead of [16]*8"
+    calls = 0 # shared by every copy: a copy read ahead cannot tell what the next real iteration gives
+    def __init__(self, start, drift): self.start,self.drift = start,drift
+    def __len__(self): return 8
+    def __iter__(self):
+        type(self).calls += 1
+        sizes,i = (BUCKETS[1] if self.drift and type(self).calls > 1 else BUCKETS[0]),self.start
+        for s in sizes: yield list(range(i, i+s)); i += s
+
+def buckets_learner(rank, cbs, unsized=False, drift=False):
     from fastai.data.core import DataLoaders
     trn,val = digits_split()
     bs = bucket_batches(rank)
-    tdl = torch.utils.data.DataLoader(trn, batch_sampler=Unmeasurable(bs) if unsized else bs)
+    tdl = torch.utils.data.DataLoader(trn, batch_sampler=Drifting(128*rank, rank == 1) if drift else Unmeasurable(bs) if unsized else bs)
     dls = DataLoaders(tdl, FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
     from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
     return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss()] + list(cbs))
 
-CASES = ['samples', 'tokens', 'uneven', 'tokens_local', 'uneven_local', 'mismatch', 'buckets', 'buckets_unsized']
+CASES = ['samples', 'tokens', 'uneven', 'tokens_local', 'uneven_local', 'mismatch', 'buckets', 'buckets_unsized', 'drift']
 
 def run_case(case, out, rank):
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
@@ -118,6 +128,12 @@ def run_case(case, out, rank):
         learn = digits_learner_on(mine, val, MICRO_BS, cbs=[ga, DDPWrap(), count])
     elif base in ('buckets', 'buckets_unsized'): # windows close where the global count reaches 2*64: micro-batches 0-5, then 6-7
         learn = buckets_learner(rank, [ga, DDPWrap(), count], unsized=base == 'buckets_unsized')
+    elif base == 'drift': # both plans say [16]*8; process 1's loader then yields [8]*7+[72]: both processes raise, none hangs
+        learn = buckets_learner(rank, [ga, DDPWrap(), count], drift=True)
+        with learn.no_logging(), learn.no_bar():
+            try: learn.fit(N_EPOCH); error = None
+            except RuntimeError as e: error = str(e)
+        return torch.save(dict(error=error, n_steps=ga.n_steps), os.path.join(out, f'{case}-rank{rank}.pt'))
     elif base == 'mismatch': # 150 and 144 samples: 10 and 9 micro-batches, so the windows cannot line up
         trn,val = digits_split()
         mine = [trn[i] for i in (range(0, 150), range(150, 294))[rank]]

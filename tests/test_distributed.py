@@ -94,7 +94,7 @@ def test_effective_batch_is_logged_once_by_rank_0(runs):
     lines = [l.split(': ', 1)[1] for l in out.splitlines() if 'samples per optimizer step' in l]
     expected = ['accum_bs=32 samples per process x 2 processes = 64 samples per optimizer step' if c.startswith('tokens')
                 else 'accum_bs=64 samples per process x 2 processes = 128 samples per optimizer step'
-                for c in W.CASES if c in ('samples', 'tokens', 'uneven', 'mismatch', 'buckets', 'buckets_unsized')]
+                for c in W.CASES if c in ('samples', 'tokens', 'uneven', 'mismatch', 'buckets', 'buckets_unsized', 'drift')]
     assert lines == expected # one per fit, and none from rank 1
 
 def test_windows_that_cannot_line_up_raise_instead_of_hanging(runs):
@@ -118,6 +118,14 @@ def test_bucketed_sizes_close_windows_together(runs, case):
     assert r0['n_steps'] == r1['n_steps'] == len(ref.recorder.losses) == 2*W.N_EPOCH # windows of 144 and 112 samples
     assert r0['n_allreduce'] == r1['n_allreduce'] == 2*W.N_EPOCH # still one gradient all-reduce per step
     assert torch.allclose(torch.tensor(r0['losses'], dtype=torch.float64), torch.stack(ref.recorder.losses), rtol=0, atol=1e-10)
+
+def test_a_plan_read_ahead_that_proves_wrong_stops_every_process(runs):
+    "Both processes planned [16]*8 from a copy of their batch sampler; process 1's then yields [8]*7+[72]: both raise at once"
+    res,_ = runs
+    for r in res['drift']:
+        assert "1 of the 2 processes' training loaders yielded a micro-batch their plan did not expect" in r['error']
+        assert r['n_steps'] == 0
+    assert 'process 1: 8 samples, planned 16' in res['drift'][1]['error']
 
 def check_samples_run(res, how):
     "The `samples` case, however it was launched, equals one process on the global batches"

@@ -65,6 +65,10 @@ def sampler_sizes(dl:torch.utils.data.DataLoader, # A PyTorch loader with a `bat
     except Exception: return None # a sampler that cannot be copied or measured: sizes are not known ahead
     return sizes if len(sizes) == len(dl) else None
 
+def _read_ahead(dl)->bool:
+    "Whether `micro_batch_sizes` read `dl`'s sizes from a copy of its batch sampler (a prediction, checked as batches come)"
+    return isinstance(dl, torch.utils.data.DataLoader) and dl.batch_size is None
+
 # %% ../../nbs/callback.gradaccum.ipynb #1c62e6e7
 def micro_batch_sizes(dl)->list[int]|None:
     "Size of each micro-batch `dl` yields in an epoch, where its length, batch size and `drop_last` tell them ahead"
@@ -156,6 +160,8 @@ class GradientAccumulation(Callback):
         self.plan = None if sizes is None else self._plan(sizes)
         self.i_window,self._skipped_tail = -1,False
         self._setup_sync()
+        # under DDP, a plan read from a batch sampler's copy is checked on every micro-batch, by all processes together
+        self._guessed_ddp = self.sync is not None and self.plan is not None and sizes is not None and _read_ahead(self.dl)
         if self.plan is None: self._warn_once('noplan', "The training loader's micro-batch sizes are not known ahead: windows "
             "stay exact, but training progress (the hyper-parameter schedule) is counted in micro-batches, not optimizer steps")
 
@@ -167,7 +173,7 @@ class GradientAccumulation(Callback):
         n = self.mb_samples = find_bs(learn.yb)
         # counts other than samples stay on the device (no sync), in float64 so that weights and correction cancel exactly
         self.mb_items = n if self._by_samples else check_count(self.normalize_by, self.counter(learn.xb, learn.yb))
-        if self.plan is not None and n != self.plan.sizes[learn.iter]:
+        if self.plan is not None and n != self.plan.sizes[learn.iter] and not self._guessed_ddp:
             if self.sync is not None: raise RuntimeError(f"Process {self.sync.rank}'s training loader yielded a micro-batch of {n} "
                 f"samples where its plan expected {self.plan.sizes[learn.iter]}: the processes' windows could differ")
             self._warn_once('plan', f"The training loader yielded a micro-batch of {n} samples where {self.plan.sizes[learn.iter]} "
@@ -246,9 +252,16 @@ class GradientAccumulation(Callback):
 
     def _fills_window(self, n:int)->bool:
         "Whether a micro-batch of `n` samples fills the window: under DDP without a plan, counted over all processes"
-        if self.sync is None or self.plan is not None: return self.n_samples + n >= self.window_bs
-        # the processes' micro-batch sizes differ or are not known ahead: they agree on the global count (one tiny all-reduce)
-        self.n_global += int(self.sync.sum(n)[0].item())
+        if self.sync is None or (self.plan is not None and not self._guessed_ddp): return self.n_samples + n >= self.window_bs
+        # sizes that differ or are not known ahead: the processes agree on the global count (one tiny all-reduce), and on
+        # whether any of them met a micro-batch its plan did not expect: then all of them raise here, none waits
+        off = self.plan is not None and n != self.plan.sizes[self.iter]
+        tot,n_off = self.sync.sum(n, off).tolist()
+        if n_off: raise RuntimeError(f"{int(n_off)} of the {self.sync.world_size} processes' training loaders yielded a micro-batch "
+            f"their plan did not expect (process {self.sync.rank}: {n} samples, planned {self.plan.sizes[self.iter]}), so their windows "
+            "would differ: their batch samplers do not give the sizes a copy of them gave")
+        self.n_global += int(tot)
+        if self.plan is not None: return self.n_samples + n >= self.window_bs
         return self.n_global >= self.window_bs*self.sync.world_size
 
     def _window_pct(self)->float:
