@@ -323,3 +323,25 @@ def test_fastai_style_arguments():
     test_eq(GradientAccumulation(n_acc=64).accum_bs, 64)
     test_eq(GradientAccumulation(128).accum_bs, 128)
     test_eq(GradientAccumulation().accum_bs, 32)
+
+class RandomSizes:
+    "A batch sampler whose batch sizes, like its order, come from PyTorch's global random state"
+    def __init__(self, n, k=6): self.n,self.k = n,k
+    def __len__(self): return self.k
+    def __iter__(self):
+        cuts = sorted(torch.randperm(self.n-1)[:self.k-1].add(1).tolist())
+        idx = torch.randperm(self.n).tolist()
+        for a,b in zip([0]+cuts, cuts+[self.n]): yield idx[a:b]
+
+@pytest.mark.parametrize('workers', [0, 'persistent'])
+def test_sampler_sizes_predict_random_sizes(workers):
+    "Random sizes read from a copy are the ones the epoch then yields, epoch after epoch, and the order is untouched"
+    kw = dict(num_workers=1, persistent_workers=True) if workers == 'persistent' else {}
+    dl = torch.utils.data.DataLoader(list(range(100)), batch_sampler=RandomSizes(100), **kw)
+    torch.manual_seed(0); plain = [[b.tolist() for b in dl] for _ in range(3)]
+    dl = torch.utils.data.DataLoader(list(range(100)), batch_sampler=RandomSizes(100), **kw)
+    torch.manual_seed(0)
+    for ep in range(3):
+        sizes = sampler_sizes(dl)
+        test_eq([b.tolist() for b in dl], plain[ep])
+        test_eq(sizes, [len(b) for b in plain[ep]])

@@ -60,7 +60,8 @@ def sampler_sizes(dl:torch.utils.data.DataLoader, # A PyTorch loader with a `bat
     try:
         with _random_states_kept(*([g] if g is not None else [])): # the training loop will draw the same numbers again
             it = iter(deepcopy(bs, keep))
-            torch.empty((), dtype=torch.int64).random_(generator=g) # what PyTorch's iterator draws before the first batch
+            if not (dl.persistent_workers and getattr(dl, '_iterator', None) is not None): # a reused iterator draws no new seed
+                torch.empty((), dtype=torch.int64).random_(generator=g) # what PyTorch's iterator draws before the first batch
             sizes = [len(b) for b in it]
     except Exception: return None # a sampler that cannot be copied or measured: sizes are not known ahead
     return sizes if len(sizes) == len(dl) else None
