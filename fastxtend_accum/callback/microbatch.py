@@ -373,7 +373,8 @@ class MicroBatching(Callback):
 # %% ../../nbs/callback.microbatch.ipynb #d0969768
 _gradaccum_fit = getattr(Learner.fit, 'inner', Learner.fit) # `fit` as `callback.gradaccum` patches it (a re-import wraps it once)
 
-def _fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, start_epoch=0):
+@patch
+def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, start_epoch=0):
     "`Learner.fit`; if it raises, an attached `MicroBatching` leaves no gradients and gives fastai's `_do_one_batch` back"
     try: return _gradaccum_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=start_epoch)
     except BaseException:
@@ -381,4 +382,4 @@ def _fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, sta
             if isinstance(cb, MicroBatching):
                 with contextlib.suppress(Exception): cb._end_fit() # never hide the error that stopped the fit
         raise
-_fit.inner,Learner.fit = _gradaccum_fit,_fit
+Learner.fit.inner = _gradaccum_fit
