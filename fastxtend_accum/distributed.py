@@ -64,16 +64,17 @@ class WindowSync:
             self.items_per_sample = c/n
         return (self.items_per_sample*window_bs).clamp(min=1)
 
-    def check_windows(self, plan, n_iter:int):
-        "Raise, rather than hang, when the processes would close their windows on different micro-batches"
-        key = (n_iter,) if plan is None else (n_iter, -1 if plan.drop_from is None else plan.drop_from, *plan.starts)
-        h = hash(key) % 2**62 # tuples of ints hash the same in every process
-        v = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
-        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.group)
-        if v.tolist() != [h, -h]:
-            raise RuntimeError("The processes' training loaders give different windows (micro-batch counts or sizes): DDP "
-                               f"would wait forever. This process has {n_iter} micro-batches" +
-                               ('' if plan is None else f" and windows starting at {plan.starts}") +
+    def check_windows(self, plan, n_iter:int)->bool:
+        "Whether the processes' `plan`s agree; raise, rather than hang, when their micro-batch counts differ"
+        key = (-1,) if plan is None else (-1 if plan.drop_from is None else plan.drop_from, *plan.starts)
+        v = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
+        v[0,self.rank],v[1,self.rank] = n_iter,hash(key) % 2**62 # tuples of ints hash the same in every process
+        dist.all_reduce(v, group=self.group) # every process's micro-batch count and plan, in one small all-reduce
+        counts,plans = v.tolist()
+        if len(set(counts)) > 1:
+            raise RuntimeError("The processes' training loaders give different numbers of micro-batches, so their windows cannot "
+                               "close together and DDP would wait forever: " + ', '.join(f'process {r} has {n}' for r,n in enumerate(counts)) +
                                "; share the samples out evenly, e.g. with fastai's DistributedDL or PyTorch's DistributedSampler")
+        return plan is not None and len(set(plans)) == 1
 
     def __repr__(self): return f'{type(self).__name__}(world_size={self.world_size}, device={self.device})'

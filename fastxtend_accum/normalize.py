@@ -4,10 +4,11 @@
 
 # %% ../nbs/normalize.ipynb #dd732dd5
 from __future__ import annotations
+import math, numbers
 from fastai.basics import *
 
 # %% auto #0
-__all__ = ['SampleCount', 'TokenCount', 'item_counter']
+__all__ = ['SampleCount', 'TokenCount', 'item_counter', 'check_count', 'check_counts']
 
 # %% ../nbs/normalize.ipynb #76a64e9f
 class SampleCount:
@@ -27,5 +28,26 @@ class TokenCount:
 def item_counter(normalize_by='samples'):
     "The counter for `normalize_by`: `'samples'`, or a callable `(xb, yb) -> count` such as `TokenCount()`"
     if isinstance(normalize_by, str) and normalize_by == 'samples': return SampleCount()
+    if isinstance(normalize_by, type): raise ValueError(f"`normalize_by` must be a counter instance, got the class "
+                                                        f"{normalize_by.__name__}: pass `{normalize_by.__name__}()`")
     if callable(normalize_by): return normalize_by
     raise ValueError(f"`normalize_by` must be 'samples' or a callable (xb, yb) -> count such as TokenCount(), got {normalize_by!r}")
+
+# %% ../nbs/normalize.ipynb #971f532d
+def _bad_count(normalize_by, value): return ValueError(f"`normalize_by`={normalize_by!r} returned {value!r}: a micro-batch's "
+                                                       "count must be a finite, non-negative number")
+
+def check_count(normalize_by, c)->Tensor:
+    "The count `c` that `normalize_by` returned for a micro-batch, as a float64 tensor (a tensor's value is checked at the step)"
+    if isinstance(c, Tensor) and c.numel() == 1 and c.dtype != torch.bool: return c.reshape(()).to(torch.float64)
+    if not isinstance(c, numbers.Real) or isinstance(c, (bool, np.bool_)) or not math.isfinite(c) or c < 0:
+        raise _bad_count(normalize_by, c)
+    return torch.tensor(float(c), dtype=torch.float64)
+
+def check_counts(normalize_by, # The counter, named in the error
+                 smallest:Tensor, # The smallest count of the window's micro-batches
+                 total:Tensor, # The window's total count
+                ):
+    "Raise if a window's counts were negative, NaN or infinite: one device sync per window, instead of one per micro-batch"
+    lo,tot = torch.stack([smallest, total.to(smallest.device)]).tolist()
+    if not (lo >= 0 and math.isfinite(tot)): raise _bad_count(normalize_by, lo if not lo >= 0 else tot)

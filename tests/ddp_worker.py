@@ -13,6 +13,9 @@ from fastai.data.load import DataLoader as FastaiDataLoader
 
 MICRO_BS,ACCUM_BS,N_EPOCH = 16,64,2
 TEXT_ACCUM_BS = 32
+PG_TIMEOUT = 20 # seconds: a collective that waits longer fails the run instead of stalling it (gloo's default is 30 minutes)
+# `buckets`: a length-bucketing `batch_sampler` per process, with the same micro-batch count and different sizes
+BUCKETS = [[16]*8, [8]*7 + [72]]
 
 def fastai_distributed():
     """`fastai.distributed` (it needs `accelerate`, pinned in the lock files), with `DistributedDL` broadcasting the
@@ -75,7 +78,36 @@ def local_counts_cls():
         def _setup_sync(self): self.sync = None # (DDP then all-reduces every micro-batch, which averages the same sums)
     return LocalCounts
 
-CASES = ['samples', 'tokens', 'uneven', 'tokens_local', 'uneven_local', 'mismatch']
+def bucket_batches(rank:int, start:int=0)->list[list[int]]:
+    "Process `rank`'s micro-batches (sample indices) under `BUCKETS`: rank 0 takes samples 0-127, rank 1 the next 128"
+    sizes,i,out = BUCKETS[rank],start + sum(map(sum, BUCKETS[:rank])),[]
+    for s in sizes: out.append(list(range(i, i+s))); i += s
+    return out
+
+class Unmeasurable(list):
+    "A batch sampler (a list of batches) that cannot be copied, so its sizes cannot be read ahead"
+    def __init__(self, batches): super().__init__(batches); import threading; self.lock = threading.Lock()
+
+class Drifting:
+    "A batch sampler of 128 samples whose `len` is 8; from its 2nd iteration on, with `drift`, sizes [8]*7+[72] instead of [16]*8"
+    calls = 0 # shared by every copy: a copy read ahead cannot tell what the next real iteration gives
+    def __init__(self, start, drift): self.start,self.drift = start,drift
+    def __len__(self): return 8
+    def __iter__(self):
+        type(self).calls += 1
+        sizes,i = (BUCKETS[1] if self.drift and type(self).calls > 1 else BUCKETS[0]),self.start
+        for s in sizes: yield list(range(i, i+s)); i += s
+
+def buckets_learner(rank, cbs, unsized=False, drift=False):
+    from fastai.data.core import DataLoaders
+    trn,val = digits_split()
+    bs = bucket_batches(rank)
+    tdl = torch.utils.data.DataLoader(trn, batch_sampler=Drifting(128*rank, rank == 1) if drift else Unmeasurable(bs) if unsized else bs)
+    dls = DataLoaders(tdl, FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
+    from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
+    return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss()] + list(cbs))
+
+CASES = ['samples', 'tokens', 'uneven', 'tokens_local', 'uneven_local', 'mismatch', 'buckets', 'buckets_unsized', 'drift']
 
 def run_case(case, out, rank):
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
@@ -94,6 +126,14 @@ def run_case(case, out, rank):
         trn,val = digits_split(UNEVEN['n'])
         mine = [trn[i] for i in shards(**UNEVEN)[rank]]
         learn = digits_learner_on(mine, val, MICRO_BS, cbs=[ga, DDPWrap(), count])
+    elif base in ('buckets', 'buckets_unsized'): # windows close where the global count reaches 2*64: micro-batches 0-5, then 6-7
+        learn = buckets_learner(rank, [ga, DDPWrap(), count], unsized=base == 'buckets_unsized')
+    elif base == 'drift': # both plans say [16]*8; process 1's loader then yields [8]*7+[72]: both processes raise, none hangs
+        learn = buckets_learner(rank, [ga, DDPWrap(), count], drift=True)
+        with learn.no_logging(), learn.no_bar():
+            try: learn.fit(N_EPOCH); error = None
+            except RuntimeError as e: error = str(e)
+        return torch.save(dict(error=error, n_steps=ga.n_steps), os.path.join(out, f'{case}-rank{rank}.pt'))
     elif base == 'mismatch': # 150 and 144 samples: 10 and 9 micro-batches, so the windows cannot line up
         trn,val = digits_split()
         mine = [trn[i] for i in (range(0, 150), range(150, 294))[rank]]
@@ -103,7 +143,7 @@ def run_case(case, out, rank):
             except RuntimeError as e: error = str(e)
         return torch.save(dict(error=error), os.path.join(out, f'{case}-rank{rank}.pt'))
     with learn.no_logging(), learn.no_bar():
-        if base == 'uneven': learn.fit(N_EPOCH)
+        if base in ('uneven', 'buckets', 'buckets_unsized'): learn.fit(N_EPOCH)
         else:
             with learn.distrib_ctx(cpu=True): learn.fit(N_EPOCH)
     torch.save(dict(params=[p.detach().clone() for p in learn.model.parameters()], n_allreduce=count.n, n_syncs=count.n_syncs,
@@ -117,9 +157,9 @@ def main(out, cases):
     _,kind = fastai_distributed()
     rank = int(os.environ['RANK'])
     if rank == 0: print(f'fastai.distributed with {kind}', flush=True)
-    for case in cases:
-        if not case.startswith(('samples', 'tokens')) and not dist.is_initialized(): dist.init_process_group('gloo') # else `distrib_ctx` does
-        run_case(case, out, rank)
+    from datetime import timedelta
+    dist.init_process_group('gloo', timeout=timedelta(seconds=PG_TIMEOUT)) # `distrib_ctx` (accelerate) uses it as it is
+    for case in cases: run_case(case, out, rank)
     dist.barrier()
 
 if __name__ == '__main__': main(sys.argv[1], sys.argv[2].split(',') if len(sys.argv) > 2 else CASES)

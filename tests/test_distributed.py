@@ -2,6 +2,7 @@
 global batches, in float64, with one gradient all-reduce per optimizer step. The workers are `ddp_worker.py`."""
 import os, socket, subprocess, sys
 import pytest, torch
+from fastai.basics import *
 import ddp_worker as W
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -11,27 +12,44 @@ def free_port()->int:
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
 
+WORKER = os.path.join(HERE, 'ddp_worker.py')
+ENV = dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
+TIMEOUT = 180 # seconds for a whole launch; a collective that hangs fails after `W.PG_TIMEOUT` seconds anyway
+
+def launch(cmd, out, cases, env=ENV):
+    "Run a launcher command to its end (bounded), and what each rank wrote, by case"
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=os.path.dirname(HERE))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return {c: [torch.load(out/f'{c}-rank{r}.pt') for r in range(2)] for c in cases},p.stdout
+
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-    "Run every case once on 2 processes; what each rank wrote, by case, and the launcher's output"
+    "Run every case once on 2 processes (torchrun); what each rank wrote, by case, and the launcher's output"
     out = tmp_path_factory.mktemp('ddp')
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-           f'--master_port={free_port()}', os.path.join(HERE, 'ddp_worker.py'), str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=os.path.dirname(HERE))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    print(p.stdout)
-    res = {c: [torch.load(out/f'{c}-rank{r}.pt') for r in range(2)] for c in W.CASES}
-    return res,p.stdout
+           f'--master_port={free_port()}', WORKER, str(out)]
+    res,stdout = launch(cmd, out, W.CASES)
+    print(stdout)
+    return res,stdout
 
 def global_order(shards, window:int)->list[int]:
     "The samples of each global batch in turn: every process's window `w`, process by process"
     chunks = [[list(s)[i:i+window] for i in range(0, len(s), window)] for s in shards]
     return [i for w in zip(*chunks) for c in w for i in c]
 
+def bucket_reference():
+    "One process on the global batches of the `buckets` case: micro-batches 0-5 of both processes, then 6-7 of both"
+    b0,b1 = W.bucket_batches(0),W.bucket_batches(1)
+    glob = [sum(b0[:6] + b1[:6], []), sum(b0[6:] + b1[6:], [])]
+    trn,val = W.digits_split()
+    dls = DataLoaders(torch.utils.data.DataLoader(trn, batch_sampler=glob), W.FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
+    from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
+    return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=Float64SmoothLoss())
+
 def reference(case):
     "One process, no accumulation, trained on the global batches the two processes' windows make up"
-    if case == 'tokens':
+    if case.startswith('buckets'): learn = bucket_reference()
+    elif case == 'tokens':
         from fastxtend_accum.test_utils import text_learner, text_samples
         samples = text_samples(300)
         order = global_order(W.shards(300), W.TEXT_ACCUM_BS)
@@ -76,12 +94,67 @@ def test_effective_batch_is_logged_once_by_rank_0(runs):
     lines = [l.split(': ', 1)[1] for l in out.splitlines() if 'samples per optimizer step' in l]
     expected = ['accum_bs=32 samples per process x 2 processes = 64 samples per optimizer step' if c.startswith('tokens')
                 else 'accum_bs=64 samples per process x 2 processes = 128 samples per optimizer step'
-                for c in W.CASES if c in ('samples', 'tokens', 'uneven', 'mismatch')]
+                for c in W.CASES if c in ('samples', 'tokens', 'uneven', 'mismatch', 'buckets', 'buckets_unsized', 'drift')]
     assert lines == expected # one per fit, and none from rank 1
 
 def test_windows_that_cannot_line_up_raise_instead_of_hanging(runs):
     "Loaders of 10 and 9 micro-batches: DDP would wait forever for an all-reduce; both processes raise at `before_train`"
     res,_ = runs
-    for r in res['mismatch']: assert 'give different windows' in r['error'] and 'would wait forever' in r['error']
-    assert 'This process has 10 micro-batches' in res['mismatch'][0]['error']
-    assert 'This process has 9 micro-batches' in res['mismatch'][1]['error']
+    for r in res['mismatch']: # every process names every process's count
+        assert 'different numbers of micro-batches' in r['error'] and 'would wait forever' in r['error']
+        assert 'process 0 has 10, process 1 has 9' in r['error']
+
+@pytest.mark.parametrize('case', ['buckets', 'buckets_unsized'])
+def test_bucketed_sizes_close_windows_together(runs, case):
+    """Sizes [16]*8 on one process, [8]*7+[72] on the other (a sized batch sampler whose plans differ, or one that cannot be
+    read ahead): the processes add up each micro-batch's samples and close every window on the same micro-batch, exactly"""
+    res,_ = runs
+    r0,r1 = res[case]
+    assert r0['plan'] is None and r1['plan'] is None # closed on the global count, not on a per-process plan
+    ref = reference(case)
+    d = max_diff(r0['params'], [p.detach() for p in ref.model.parameters()])
+    print(f'{case}: max |param diff| vs one process on the global batches {d:.3g}')
+    assert d < 1e-8
+    assert r0['n_steps'] == r1['n_steps'] == len(ref.recorder.losses) == 2*W.N_EPOCH # windows of 144 and 112 samples
+    assert r0['n_allreduce'] == r1['n_allreduce'] == 2*W.N_EPOCH # still one gradient all-reduce per step
+    assert torch.allclose(torch.tensor(r0['losses'], dtype=torch.float64), torch.stack(ref.recorder.losses), rtol=0, atol=1e-10)
+
+def test_a_plan_read_ahead_that_proves_wrong_stops_every_process(runs):
+    "Both processes planned [16]*8 from a copy of their batch sampler; process 1's then yields [8]*7+[72]: both raise at once"
+    res,_ = runs
+    for r in res['drift']:
+        assert "1 of the 2 processes' training loaders yielded a micro-batch their plan did not expect" in r['error']
+        assert r['n_steps'] == 0
+    assert 'process 1: 8 samples, planned 16' in res['drift'][1]['error']
+
+def check_samples_run(res, how):
+    "The `samples` case, however it was launched, equals one process on the global batches"
+    r0,r1 = res['samples']
+    assert r0['plan'] == r1['plan'] == [0,4,8]
+    d = max_diff(r0['params'], [p.detach() for p in reference('samples').model.parameters()])
+    print(f'{how}: max |param diff| vs one process on the global batches {d:.3g}')
+    assert d < 1e-8 and max_diff(r0['params'], r1['params']) < 1e-12
+    assert r0['n_steps'] == r1['n_steps'] == r0['n_allreduce'] == 6
+
+def test_accelerate_launch(tmp_path):
+    "The documented `accelerate launch`, with no config file (HF_HOME in the test's tmp dir): 2 processes on gloo"
+    cmd = [sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes=2', '--num_machines=1',
+           '--mixed_precision=no', '--dynamo_backend=no', '--main_process_ip=127.0.0.1', f'--main_process_port={free_port()}',
+           WORKER, str(tmp_path), 'samples']
+    res,_ = launch(cmd, tmp_path, ['samples'], env=dict(ENV, HF_HOME=str(tmp_path/'hf')))
+    check_samples_run(res, 'accelerate launch')
+
+def test_two_nodes(tmp_path):
+    "Two torchrun 'nodes' of one process each, meeting at a c10d rendezvous on 127.0.0.1"
+    port = free_port()
+    cmd = lambda node: [sys.executable, '-m', 'torch.distributed.run', '--nnodes=2', '--nproc_per_node=1', f'--node_rank={node}',
+                        '--rdzv_backend=c10d', f'--rdzv_endpoint=127.0.0.1:{port}', '--rdzv_id=fxa-two-nodes',
+                        '--max_restarts=0', WORKER, str(tmp_path), 'samples']
+    procs = [subprocess.Popen(cmd(n), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=os.path.dirname(HERE))
+             for n in (0, 1)]
+    try: outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None: p.kill()
+    assert all(p.returncode == 0 for p in procs), '\n'.join(o[-3000:] for o in outs)
+    check_samples_run({'samples': [torch.load(tmp_path/f'samples-rank{r}.pt') for r in range(2)]}, 'two nodes')

@@ -1,5 +1,5 @@
 "Equivalence sweeps and behaviour of `GradientAccumulation`: the heavier checks that would clutter the notebook"
-import warnings, pytest
+import math, re, warnings, pytest
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.callback.training import GradientClip
@@ -70,17 +70,98 @@ def test_drop_last_follows_the_loader(torch_loader):
     kept = run(16, GradientAccumulation(64), shuffle=True, torch_loader=torch_loader) # the loader keeps it: so do we
     assert_same_training(run(64, shuffle=True, torch_loader=torch_loader), kept)
 
-def test_sizes_unknown_ahead():
-    "A loader whose micro-batch sizes are not known ahead still gives exact windows (progress then counts micro-batches)"
+def sampler_learner(batch_sampler, cbs=()):
+    "A float64 digits learner whose PyTorch training loader takes its batches from `batch_sampler`"
     dls = digits_dls(16, torch_loader=True)
-    tdl = dls.train
-    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(tdl.dataset), 16, drop_last=False)
-    dls = DataLoaders(torch.utils.data.DataLoader(tdl.dataset, batch_sampler=sampler), dls.valid, device='cpu')
-    learn = Learner(dls, digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[GradientAccumulation(64), Float64SmoothLoss()])
-    with learn.no_logging(), learn.no_bar(): learn.fit(2)
+    dls = DataLoaders(torch.utils.data.DataLoader(dls.train.dataset, batch_sampler=batch_sampler), dls.valid, device='cpu')
+    return Learner(dls, digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss(), *cbs])
+
+class Unmeasurable(torch.utils.data.BatchSampler):
+    "A batch sampler that cannot be copied (it holds a lock), so its sizes cannot be read ahead"
+    def __init__(self, *args):
+        super().__init__(*args)
+        import threading; self.lock = threading.Lock()
+
+def test_sizes_unknown_ahead():
+    "A batch sampler that cannot be read ahead still gives exact windows; progress counts micro-batches, said once per fit"
+    sampler = Unmeasurable(torch.utils.data.SequentialSampler(range(N_TRAIN)), 16, False)
+    learn = sampler_learner(sampler, [GradientAccumulation(64)])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        with learn.no_logging(), learn.no_bar(): learn.fit(2); learn.fit(1)
     assert learn.gradient_accumulation.plan is None
-    large = run(64)
-    assert_same_training(large, learn)
+    test_eq(sum('progress (the hyper-parameter schedule) is counted in micro-batches' in str(o.message) for o in w), 2) # one per fit
+    learn = sampler_learner(Unmeasurable(torch.utils.data.SequentialSampler(range(N_TRAIN)), 16, False), [GradientAccumulation(64)])
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with learn.no_logging(), learn.no_bar(): learn.fit(2)
+    assert_same_training(run(64), learn)
+
+class Buckets:
+    "A length-bucketing batch sampler: a permutation from PyTorch's global random state, cut into batches of `sizes` in turn"
+    def __init__(self, n, sizes): self.n,self.sizes = n,sizes
+    def _cuts(self):
+        i,k = 0,0
+        while i < self.n: s = min(self.sizes[k % len(self.sizes)], self.n-i); yield i,i+s; i,k = i+s,k+1
+    def __iter__(self):
+        idx = torch.randperm(self.n).tolist()
+        for a,b in self._cuts(): yield idx[a:b]
+    def __len__(self): return len(list(self._cuts()))
+
+class Windows:
+    "The reference: the batches of `inner` merged into the windows `GradientAccumulation(accum_bs)` closes"
+    def __init__(self, inner, accum_bs): self.inner,self.accum_bs = inner,accum_bs
+    def __iter__(self):
+        buf = []
+        for b in self.inner:
+            buf += b
+            if len(buf) >= self.accum_bs: yield buf; buf = []
+        if buf: yield buf
+    def __len__(self): return WindowPlan([b-a for a,b in self.inner._cuts()], self.accum_bs).n_windows
+
+def test_sized_batch_sampler_is_planned(monkeypatch):
+    "A sized, shuffling batch sampler: windows planned from a copy, so fit_one_cycle's hyper-parameters are per optimizer step, exactly"
+    def fit_seeded(learn):
+        torch.manual_seed(1)
+        with learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(2, 0.1)
+        return learn
+    sizes = [8, 24, 16, 40]
+    large = fit_seeded(sampler_learner(Windows(Buckets(N_TRAIN, sizes), 64)))
+    accum = fit_seeded(sampler_learner(Buckets(N_TRAIN, sizes), [GradientAccumulation(64)]))
+    assert accum.gradient_accumulation.plan is not None
+    assert_same_training(large, accum) # also the sample order: planning drew no random number the loop would have used
+    import fastxtend_accum.callback.gradaccum as G
+    monkeypatch.setattr(G, 'sampler_sizes', lambda dl: None) # what a loader that cannot be read ahead gives
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        unplanned = fit_seeded(sampler_learner(Buckets(N_TRAIN, sizes), [GradientAccumulation(64)]))
+    d = max(abs(a-b) for a,b in zip(unplanned.recorder.lrs, large.recorder.lrs))
+    print(f'lr per step, sized batch sampler: planned {max(abs(a-b) for a,b in zip(accum.recorder.lrs, large.recorder.lrs)):.1e}, '
+          f'progress in micro-batches {d:.1e} (peak lr 0.1)')
+    assert d > 1e-3 # the test has teeth
+
+class OverLong(torch.utils.data.BatchSampler):
+    "A batch sampler whose `len` says one batch more than it yields"
+    def __len__(self): return super().__len__() + 1
+
+@pytest.mark.parametrize('how', ['len-over-reports', 'ShortEpochCallback'])
+def test_every_dropped_window_is_reported(how):
+    "A window left open at an epoch's end is dropped, and each epoch says so, with the samples it held"
+    from fastai.callback.training import ShortEpochCallback
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('default') # Python's default: a message repeated from the same line shows once
+        if how == 'len-over-reports': # 1500 = 23*64 + 28: the last window (28 samples) never sees the epoch's last micro-batch
+            learn = sampler_learner(OverLong(torch.utils.data.SequentialSampler(range(N_TRAIN)), 16, False), [GradientAccumulation(64)])
+            with learn.no_logging(), learn.no_bar(): learn.fit(3)
+            held = 28
+        else: # cut after 39 of 94 micro-batches: 9 windows, then 3 micro-batches (48 samples) dropped
+            learn = digits_learner(16, cbs=GradientAccumulation(64))
+            with learn.no_logging(), learn.no_bar(): learn.fit(3, cbs=ShortEpochCallback(0.4, short_valid=False))
+            held = 48
+    msgs = [str(o.message) for o in w if 'mid-window' in str(o.message)]
+    test_eq(msgs, [f"Epoch {e}: training stopped mid-window, after {held} samples: that window's gradients were dropped (no optimizer step)"
+                   for e in range(3)])
+    assert no_grads(learn)
 
 def test_log_accum_batch_false():
     "fastai's per-micro-batch records, same training"
@@ -239,6 +320,11 @@ def test_does_not_divide_warns_once_with_size():
     (dict(n_acc=0), '`n_acc` must be a positive integer, got 0'),
     (dict(n_acc=None), '`n_acc` must be a positive integer, got None'),
     (dict(normalize_by='tokens'), "`normalize_by` must be 'samples' or a callable"),
+    (dict(normalize_by=TokenCount), 'got the class TokenCount: pass `TokenCount()`'),
+    (dict(accum_bs=64, n_acc=-1), '`n_acc` must be a positive integer, got -1'),
+    (dict(drop_last='False'), "`drop_last` must be True or False or None, got 'False'"),
+    (dict(drop_last=1), '`drop_last` must be True or False or None, got 1'),
+    (dict(log_accum_batch=None), '`log_accum_batch` must be True or False, got None'),
 ])
 def test_bad_input(kwargs, msg):
     with pytest.raises(ValueError, match=re.escape(msg)): GradientAccumulation(**kwargs)
@@ -247,3 +333,25 @@ def test_fastai_style_arguments():
     test_eq(GradientAccumulation(n_acc=64).accum_bs, 64)
     test_eq(GradientAccumulation(128).accum_bs, 128)
     test_eq(GradientAccumulation().accum_bs, 32)
+
+class RandomSizes:
+    "A batch sampler whose batch sizes, like its order, come from PyTorch's global random state"
+    def __init__(self, n, k=6): self.n,self.k = n,k
+    def __len__(self): return self.k
+    def __iter__(self):
+        cuts = sorted(torch.randperm(self.n-1)[:self.k-1].add(1).tolist())
+        idx = torch.randperm(self.n).tolist()
+        for a,b in zip([0]+cuts, cuts+[self.n]): yield idx[a:b]
+
+@pytest.mark.parametrize('workers', [0, 'persistent'])
+def test_sampler_sizes_predict_random_sizes(workers):
+    "Random sizes read from a copy are the ones the epoch then yields, epoch after epoch, and the order is untouched"
+    kw = dict(num_workers=1, persistent_workers=True) if workers == 'persistent' else {}
+    dl = torch.utils.data.DataLoader(list(range(100)), batch_sampler=RandomSizes(100), **kw)
+    torch.manual_seed(0); plain = [[b.tolist() for b in dl] for _ in range(3)]
+    dl = torch.utils.data.DataLoader(list(range(100)), batch_sampler=RandomSizes(100), **kw)
+    torch.manual_seed(0)
+    for ep in range(3):
+        sizes = sampler_sizes(dl)
+        test_eq([b.tolist() for b in dl], plain[ep])
+        test_eq(sizes, [len(b) for b in plain[ep]])

@@ -4,7 +4,8 @@
 
 # %% ../../nbs/callback.gradaccum.ipynb #e6bd491d
 from __future__ import annotations
-import contextlib, numbers, warnings
+import contextlib, math, numbers, warnings
+from copy import deepcopy
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
 from fastai.data.load import DataLoader as FastaiDataLoader
@@ -15,8 +16,9 @@ from ..normalize import *
 from ..distributed import *
 
 # %% auto #0
-__all__ = ['check_positive_int', 'micro_batch_sizes', 'WindowPlan', 'loader_drop_last', 'accumulation_callbacks',
-           'check_one_accumulation', 'check_one_learner', 'GradientAccumulation']
+__all__ = ['check_positive_int', 'check_bool', 'check_weighable', 'sampler_sizes', 'micro_batch_sizes', 'WindowPlan',
+           'loader_drop_last', 'accumulation_callbacks', 'check_one_accumulation', 'check_one_learner',
+           'GradientAccumulation']
 
 # %% ../../nbs/callback.gradaccum.ipynb #682a56a8
 def check_positive_int(name:str, value)->int:
@@ -25,12 +27,57 @@ def check_positive_int(name:str, value)->int:
         raise ValueError(f"`{name}` must be a positive integer, got {value!r} ({type(value).__name__})")
     return int(value)
 
+# %% ../../nbs/callback.gradaccum.ipynb #e4f26e5f
+def check_bool(name:str, value, none_ok:bool=False)->bool|None:
+    "`value` if it is a `bool` (or `None` when `none_ok`), else a `ValueError` that names the parameter `name` and the value"
+    if isinstance(value, (bool, np.bool_)) or (none_ok and value is None): return None if value is None else bool(value)
+    raise ValueError(f"`{name}` must be True or False{' or None' if none_ok else ''}, got {value!r} ({type(value).__name__})")
+
+# %% ../../nbs/callback.gradaccum.ipynb #df1b22fd
+def check_weighable(model:nn.Module, # The model whose parameters the weights multiply
+                    **sizes):
+    "Raise a `ValueError` for a window size (`accum_bs=...`) whose weights (1/size to size) the model's float dtypes cannot hold"
+    for dt in {p.dtype for p in model.parameters() if p.is_floating_point()}:
+        for name,v in sizes.items(): # the smallest weight, 1/v, must be a normal number: no precision lost, no overflow of v
+            if v*torch.finfo(dt).tiny > 1:
+                raise ValueError(f"`{name}`={v} is too large for a {str(dt).removeprefix('torch.')} model: its micro-batch weights "
+                                 f"(about 1/{v}) fall below the dtype's smallest normal number {torch.finfo(dt).tiny:g}")
+
+# %% ../../nbs/callback.gradaccum.ipynb #56ad1aa6
+@contextlib.contextmanager
+def _random_states_kept(*gens):
+    "Put back the global random states (Python, NumPy, PyTorch) and those of the generators `gens` on exit"
+    states = random.getstate(),np.random.get_state(),torch.get_rng_state(),[g.get_state() for g in gens]
+    try: yield
+    finally:
+        random.setstate(states[0]); np.random.set_state(states[1]); torch.set_rng_state(states[2])
+        for g,s in zip(gens, states[3]): g.set_state(s)
+
+def sampler_sizes(dl:torch.utils.data.DataLoader, # A PyTorch loader with a batch_sampler
+                 )->list[int]|None:
+    "Sizes of the batches a PyTorch loader's sized `batch_sampler` gives this epoch, read from a copy of it (`None` if it cannot tell)"
+    bs,g = getattr(dl, 'batch_sampler', None),getattr(dl, 'generator', None)
+    if bs is None or isinstance(dl.dataset, torch.utils.data.IterableDataset): return None
+    keep = {id(o):o for o in (dl.dataset, g) if o is not None} # the copy shares the data and the loader's generator
+    try:
+        with _random_states_kept(*([g] if g is not None else [])): # the training loop will draw the same numbers again
+            it = iter(deepcopy(bs, keep))
+            if not (dl.persistent_workers and getattr(dl, '_iterator', None) is not None): # a reused iterator draws no new seed
+                torch.empty((), dtype=torch.int64).random_(generator=g) # what PyTorch's iterator draws before the first batch
+            sizes = [len(b) for b in it]
+    except Exception: return None # a sampler that cannot be copied or measured: sizes are not known ahead
+    return sizes if len(sizes) == len(dl) else None
+
+def _read_ahead(dl)->bool:
+    "Whether `micro_batch_sizes` read `dl`'s sizes from a copy of its batch sampler (a prediction, checked as batches come)"
+    return isinstance(dl, torch.utils.data.DataLoader) and dl.batch_size is None
+
 # %% ../../nbs/callback.gradaccum.ipynb #1c62e6e7
 def micro_batch_sizes(dl)->list[int]|None:
     "Size of each micro-batch `dl` yields in an epoch, where its length, batch size and `drop_last` tell them ahead"
     if isinstance(dl, FastaiDataLoader): n,bs,drop = samples_per_process(dl),dl.bs,dl.drop_last # fastai's `DistributedDL` too
     elif isinstance(dl, torch.utils.data.DataLoader):
-        if dl.batch_size is None: return None
+        if dl.batch_size is None: return sampler_sizes(dl)
         try: n = len(dl.sampler)
         except TypeError: return None
         bs,drop = dl.batch_size,dl.drop_last
@@ -101,8 +148,10 @@ class GradientAccumulation(Callback):
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
         normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
     ):
-        self.accum_bs = check_positive_int('n_acc', n_acc) if accum_bs is None else check_positive_int('accum_bs', accum_bs)
-        self.n_acc,self.log_accum_batch,self.drop_last = n_acc,log_accum_batch,drop_last
+        n_acc = check_positive_int('n_acc', n_acc)
+        self.accum_bs = n_acc if accum_bs is None else check_positive_int('accum_bs', accum_bs)
+        self.n_acc,self.log_accum_batch = n_acc,check_bool('log_accum_batch', log_accum_batch)
+        self.drop_last = check_bool('drop_last', drop_last, none_ok=True)
         self.normalize_by,self.counter = normalize_by,item_counter(normalize_by)
         self.accumulating,self.window_open,self.window_closed,self.plan,self.sync = False,False,False,None,None
         self._warned = set()
@@ -111,7 +160,7 @@ class GradientAccumulation(Callback):
     # Learner (and, through it, the model) for shadowing, a lookup that would cost more than the rest of the callback
     _state = frozenset('accumulating window_open window_closed plan sync n_steps i_window window_bs window_pct closes '
                        'mb_samples mb_items n_samples n_items loss_sum ref _discard _skipped_tail _bn_checked '
-                       'n_seen train_step window_held _drop _stepped'.split())
+                       'n_seen train_step window_held _drop _stepped n_global items_min'.split())
     def __setattr__(self, name, value):
         "Set an attribute (the callback's own state without fastai's shadowing check)"
         if name in self._state: object.__setattr__(self, name, value)
@@ -135,16 +184,22 @@ class GradientAccumulation(Callback):
         check_one_accumulation(self)
         patch_loggers() # fastai's W&B/TensorBoard callbacks, if the user imported them: a row per optimizer step
         self._abandon_window()
+        check_weighable(self.model, accum_bs=self.accum_bs)
         self.accumulating,self.n_steps,self.train_step,self.sync,self._bn_checked = True,0,0,None,False
+        self._warned.discard('noplan') # said once per fit
 
     def before_train(self):
         "Plan the epoch's windows from the loader's micro-batch sizes, where they are known ahead"
-        self._abandon_window()
+        self._drop_open_window(self.epoch-1) # an epoch cut short (`CancelEpochException`) skips `after_train`
         self._drop = loader_drop_last(self.dl) if self.drop_last is None else self.drop_last
         sizes = micro_batch_sizes(self.dl)
         self.plan = None if sizes is None else self._plan(sizes)
         self.i_window,self._skipped_tail = -1,False
         self._setup_sync()
+        # under DDP, a plan read from a batch sampler's copy is checked on every micro-batch, by all processes together
+        self._guessed_ddp = self.sync is not None and self.plan is not None and sizes is not None and _read_ahead(self.dl)
+        if self.plan is None: self._warn_once('noplan', "The training loader's micro-batch sizes are not known ahead: windows "
+            "stay exact, but training progress (the hyper-parameter schedule) is counted in micro-batches, not optimizer steps")
 
     def before_batch(self):
         "Open a window if none is, count the micro-batch, and tell whether it closes the window"
@@ -153,14 +208,16 @@ class GradientAccumulation(Callback):
         learn.pct_train = self.window_pct # every micro-batch trains with the hyper-parameters of the window's first
         n = self.mb_samples = find_bs(learn.yb)
         # counts other than samples stay on the device (no sync), in float64 so that weights and correction cancel exactly
-        self.mb_items = n if self._by_samples else torch.as_tensor(self.counter(learn.xb, learn.yb), dtype=torch.float64)
-        if self.plan is not None and n != self.plan.sizes[learn.iter]:
+        self.mb_items = n if self._by_samples else check_count(self.normalize_by, self.counter(learn.xb, learn.yb))
+        if self.plan is not None and n != self.plan.sizes[learn.iter] and not self._guessed_ddp:
+            if self.sync is not None: raise RuntimeError(f"Process {self.sync.rank}'s training loader yielded a micro-batch of {n} "
+                f"samples where its plan expected {self.plan.sizes[learn.iter]}: the processes' windows could differ")
             self._warn_once('plan', f"The training loader yielded a micro-batch of {n} samples where {self.plan.sizes[learn.iter]} "
                             "were expected: windows stay exact, but progress is now counted in micro-batches")
             self.plan = None
         # windows close on the samples the loader yielded (as the large batch's would), whether or not each did backward
         self.n_seen += n
-        full,last = self.n_seen >= self.window_bs,learn.iter == learn.n_iter-1
+        full,last = self._fills_window(n),learn.iter == learn.n_iter-1
         self.closes = full or (last and not self._drop) # windows never span epochs
         self._discard,self._stepped = last and not full and self._drop,False
         if self.sync is not None: self.sync.before_forward(self.closes) # DDP: all-reduce only in the window's last backward
@@ -183,6 +240,7 @@ class GradientAccumulation(Callback):
         # only a micro-batch whose backward ran is counted: one cancelled before it adds nothing to the window's mean
         self.n_samples += self.mb_samples
         self.n_items = self.n_items + self.mb_items
+        if not self._by_samples: self.items_min = torch.minimum(self.items_min, self.mb_items) # checked at the step
         loss = self.learn.loss.detach()*self.mb_items
         # a micro-batch with no items (all padding) has a NaN mean loss: it adds nothing to the window's loss
         self.loss_sum = self.loss_sum + (loss if self._by_samples else torch.where(self.mb_items > 0, loss, 0.))
@@ -191,6 +249,7 @@ class GradientAccumulation(Callback):
         "Close the window: the exact mean gradient, then one optimizer step that every callback sees (and may cancel) once"
         learn,self._stepped = self.learn,True
         if self.sync is None and not self.n_samples: return self._abandon_window() # every micro-batch was cancelled
+        if not self._by_samples: check_counts(self.normalize_by, self.items_min, self.n_items) # one sync per step
         if self.n_seen > self.window_bs:
             self._warn_once('size', f"Micro-batches of {self.mb_samples} samples do not divide accum_bs={self.window_bs}: "
                             f"windows close at {self.n_seen} samples, and each step uses the mean gradient over its window")
@@ -222,9 +281,7 @@ class GradientAccumulation(Callback):
 
     def after_train(self):
         "No window outlives its epoch"
-        if self.window_open and self.n_samples:
-            self._warn_once('open', f"Training stopped mid-window: the gradients of its {self.n_samples} samples were dropped")
-        self._abandon_window()
+        self._drop_open_window(self.epoch)
         # skipping the tail that `drop_last` discards is not a cancelled epoch: keep its train loss in the log
         if self._skipped_tail and hasattr(self.learn, 'recorder'): self.learn.recorder.cancel_train = False
 
@@ -259,9 +316,24 @@ class GradientAccumulation(Callback):
         self._check_bn()
         self.i_window += 1
         self.window_bs = self._window_bs()
-        self.n_samples,self.n_seen,self.n_items,self.loss_sum,self.ref = 0,0,0,0.,None
+        self.n_samples,self.n_seen,self.n_items,self.loss_sum,self.ref,self.n_global = 0,0,0,0.,None,0
+        if not self._by_samples: self.items_min = torch.tensor(math.inf, dtype=torch.float64)
         self.window_open,self.window_closed,self._discard,self.window_held = True,False,False,0
         self.window_pct = self._window_pct()
+
+    def _fills_window(self, n:int)->bool:
+        "Whether a micro-batch of `n` samples fills the window: under DDP without a plan, counted over all processes"
+        if self.sync is None or (self.plan is not None and not self._guessed_ddp): return self.n_seen >= self.window_bs
+        # sizes that differ or are not known ahead: the processes agree on the global count (one tiny all-reduce), and on
+        # whether any of them met a micro-batch its plan did not expect: then all of them raise here, none waits
+        off = self.plan is not None and n != self.plan.sizes[self.iter]
+        tot,n_off = self.sync.sum(n, off).tolist()
+        if n_off: raise RuntimeError(f"{int(n_off)} of the {self.sync.world_size} processes' training loaders yielded a micro-batch "
+            f"their plan did not expect (process {self.sync.rank}: {n} samples, planned {self.plan.sizes[self.iter]}), so their windows "
+            "would differ: their batch samplers do not give the sizes a copy of them gave")
+        self.n_global += int(tot)
+        if self.plan is not None: return self.n_seen >= self.window_bs
+        return self.n_global >= self.window_bs*self.sync.world_size
 
     def _window_pct(self)->float:
         "Training progress the window's hyper-parameters are scheduled at: in optimizer steps where the plan is known"
@@ -295,7 +367,8 @@ class GradientAccumulation(Callback):
                 n = self.sync.world_size
                 print(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "
                       f"{self.accum_bs*n} samples per optimizer step")
-        if self.sync is not None: self.sync.check_windows(self.plan, len(self.dl))
+        if self.sync is not None and not self.sync.check_windows(self.plan, len(self.dl)):
+            self.plan = None # same micro-batch counts, different sizes: windows close on the global count instead
 
     def _sum_over_processes(self):
         "The window's items, samples and loss summed over the processes: one small all-reduce per step"
@@ -317,6 +390,12 @@ class GradientAccumulation(Callback):
         "Drop the open window and stop recording per step"
         self._abandon_window()
         self.accumulating,self.sync = False,None
+
+    def _drop_open_window(self, epoch:int):
+        "Drop a window `epoch` ended in (a loader whose `len` over-reports, an epoch cut short), and say so"
+        if self.window_open and self.n_samples: warnings.warn(f"Epoch {epoch}: training stopped mid-window, after "
+            f"{self.n_samples} samples: that window's gradients were dropped (no optimizer step)", stacklevel=2)
+        self._abandon_window()
 
     def _abandon_window(self):
         "Drop the open window's gradients, if any"

@@ -4,18 +4,18 @@
 
 # %% ../../nbs/callback.microbatch.ipynb #02826560
 from __future__ import annotations
-import gc, time, warnings
+import contextlib, gc, sys, time, warnings
 from contextlib import nullcontext
 from itertools import accumulate
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
-from .gradaccum import GradientAccumulation, check_positive_int, check_one_accumulation, check_one_learner
+from .gradaccum import GradientAccumulation, check_positive_int, check_bool, check_one_accumulation, check_one_learner
 from .loggers import patch_loggers
 from ..normalize import *
 
 # %% auto #0
-__all__ = ['split_sizes', 'next_micro_bs', 'slice_batch', 'MicroBatching']
+__all__ = ['split_sizes', 'next_micro_bs', 'slice_batch', 'RowStates', 'MicroBatching']
 
 # %% ../../nbs/callback.microbatch.ipynb #83750b06
 def split_sizes(n:int, # Samples in the batch
@@ -29,8 +29,11 @@ def split_sizes(n:int, # Samples in the batch
 def next_micro_bs(n:int, # Samples in the batch
                   failed:int, # Micro-batch size that ran out of memory
                  )->int|None:
-    "The largest divisor of `n` below `failed`, so that micro-batches are equal; `None` when `failed` is 1"
-    return next((d for d in range(min(failed, n+1)-1, 0, -1) if n % d == 0), None)
+    "The largest micro-batch below `failed`: `n` split into the next number of near-equal parts (2, 3, 4, ...); `None` when `failed` is 1"
+    if failed <= 1: return None
+    if failed > n: return n
+    k = -(-n//(failed-1)) # the fewest parts of at most failed-1 samples
+    return -(-n//k)
 
 # %% ../../nbs/callback.microbatch.ipynb #5578b8ad
 def slice_batch(b, # A batch: tensors, in tuples, lists and dicts
@@ -80,6 +83,48 @@ def _zero_loss(pred):
     ts = [t for t in (pred if is_listy(pred) else [pred]) if isinstance(t, Tensor) and t.requires_grad]
     return sum(t.sum() for t in ts)*0 if ts else None
 
+# %% ../../nbs/callback.microbatch.ipynb #dfada5a7
+def _fastai_text(name:str):
+    "fastai.text's class `name`, if fastai.text is imported (a model cannot be one of them otherwise)"
+    for mod in ('fastai.text.models.awdlstm', 'fastai.text.models.core'):
+        if (c := getattr(sys.modules.get(mod), name, None)) is not None: return c
+
+class RowStates:
+    "The hidden state fastai's `AWD_LSTM` carries from batch to batch, row by row: each micro-batch runs with its own rows"
+    def __init__(self, mods:list, # The model's AWD_LSTM modules
+                 n:int, # Rows (samples) in the batch
+                ):
+        self.mods,self.n = mods,n
+        for m in mods:
+            if m.bs != n: m._change_hidden(n) # what the whole batch's forward would do first
+        self.start,self.outs = [m.hidden for m in mods],[[] for _ in mods]
+
+    @classmethod
+    def of(cls, model:nn.Module, n:int)->RowStates|None:
+        "`RowStates` of `model`'s `AWD_LSTM`s (`None` if it has none); an error for any other module that carries a state"
+        awd = [m for m in model.modules() if (c := _fastai_text('AWD_LSTM')) is not None and isinstance(m, c)]
+        inside = {id(o) for m in awd for o in m.modules()}
+        passes = tuple(c for c in map(_fastai_text, ('SequentialRNN', 'SentenceEncoder')) if c is not None) # `reset` goes to children
+        other = [m for m in model.modules() if callable(getattr(m, 'reset', None)) and id(m) not in inside and not isinstance(m, passes)]
+        if other: raise ValueError(f"MicroBatching cannot split the batch of a model whose {type(other[0]).__name__} has `reset`: "
+            "it carries a state from batch to batch, row by row, that MicroBatching only knows how to split for fastai's AWD_LSTM. "
+            "Use GradientAccumulation instead (each micro-batch from the loader carries its own rows' state), or a batch that fits whole")
+        return cls(awd, n) if awd else None
+
+    def enter(self, a:int, b:int):
+        "Before the forward of the micro-batch of rows `a:b`: their rows of the state the batch started with"
+        for m,h in zip(self.mods, self.start): m.hidden,m.bs = [tuple(t[:, a:b].contiguous() for t in hl) for hl in h],b-a
+    def leave(self):
+        "After its forward: keep the micro-batch's new state"
+        for m,o in zip(self.mods, self.outs): o.append(m.hidden)
+    def carry_on(self):
+        "After the batch: the micro-batches' states, row by row, are the whole batch's, for the next batch"
+        for m,o in zip(self.mods, self.outs):
+            m.hidden,m.bs = [tuple(torch.cat([h[l][j] for h in o], dim=1) for j in range(len(o[0][l]))) for l in range(len(o[0]))],self.n
+    def restore(self):
+        "The batch failed (out of memory, say): back to the state it started with, for the retry"
+        for m,h in zip(self.mods, self.start): m.hidden,m.bs = h,self.n
+
 # %% ../../nbs/callback.microbatch.ipynb #64513368
 class MicroBatching(Callback):
     "Split every training batch into micro-batches that fit in memory, and step once with the exact gradient of the batch"
@@ -91,7 +136,7 @@ class MicroBatching(Callback):
         normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
         keep_pred:bool=True, # Keep the batch's predictions in learn.pred (train metrics)
         n_timed:int=3, # 'fastest': batches timed per candidate size, after one warm-up batch
-        n_candidates:int=3, # 'fastest': sizes timed: the largest that fits, then divisors
+        n_candidates:int=3, # 'fastest': sizes timed: the largest that fits, then one more part
         verbose:bool=True, # Print the micro-batch size chosen (and timings, 'fastest')
     ):
         if not (isinstance(micro_bs, str) and micro_bs in ('auto', 'fastest')):
@@ -99,7 +144,7 @@ class MicroBatching(Callback):
             except ValueError: raise ValueError(f"`micro_bs` must be a positive integer, 'auto' or 'fastest', got {micro_bs!r}") from None
         self.micro_bs,self.normalize_by,self.counter = micro_bs,normalize_by,item_counter(normalize_by)
         self.n_timed,self.n_candidates = check_positive_int('n_timed', n_timed),check_positive_int('n_candidates', n_candidates)
-        self.keep_pred,self.verbose = keep_pred,verbose
+        self.keep_pred,self.verbose = check_bool('keep_pred', keep_pred),check_bool('verbose', verbose)
         self._saved,self._mp,self.chosen_micro_bs,self.ooms,self.throughput = None,None,None,[],{}
 
     @property
@@ -109,7 +154,7 @@ class MicroBatching(Callback):
     @learn.setter
     def learn(self, learn):
         check_one_learner(self, learn)
-        if learn is None and self._learn is not None: self._uninstall() # `remove_cb`, or the end of `fit(cbs=...)`
+        if learn is None and self._learn is not None: self._end_fit() # `remove_cb`, or the end of `fit(cbs=...)`, even when it raised
         self._learn = learn
 
     def before_fit(self):
@@ -127,6 +172,12 @@ class MicroBatching(Callback):
 
     def after_fit(self):
         "Give fastai's `_do_one_batch` back"
+        self._uninstall()
+
+    def _end_fit(self):
+        "However the fit ended: no gradients, no open autocast, fastai's `_do_one_batch` back"
+        if getattr(self, '_autocast_open', False): self._abandon()
+        elif self._learn is not None: self._zero_grads()
         self._uninstall()
 
     def _do_one_batch(self):
@@ -154,8 +205,10 @@ class MicroBatching(Callback):
         preds,learn.loss = res
         learn.xb,learn.yb = xb,yb
         learn.pred = (preds[0] if len(preds) == 1 else to_concat(preds)) if self.keep_pred else None
-        if self._manual_sync: _average_grads(learn.model)
-        learn._with_events(learn._step, 'step', CancelStepException)
+        try:
+            if self._manual_sync: _average_grads(learn.model)
+            learn._with_events(learn._step, 'step', CancelStepException)
+        except BaseException: self._zero_grads(); raise # interrupted in `before_step`/`after_step`: no gradient outlives the batch
         learn.opt.zero_grad()
         self._settled(n, sizes, self._now()-t0 if timed and not had_oom else None)
 
@@ -166,9 +219,18 @@ class MicroBatching(Callback):
         counts = self._counts(mbs, sizes) if k > 1 else [None]
         total = sum(counts) if k > 1 else None
         if k > 1: self._check_bn()
+        rows = RowStates.of(learn.model, n) if k > 1 else None # a recurrent model's state, handed to each micro-batch's rows
+        try: return self._run_micro_batches(mbs, sizes, counts, total, rows)
+        except BaseException:
+            if rows is not None: rows.restore() # a retry starts from the state the batch started from
+            raise
+
+    def _run_micro_batches(self, mbs, sizes, counts, total, rows):
+        learn,n,k = self.learn,sum(sizes),len(sizes)
         preds,loss_sum = [],None
         for i,((mxb,myb),c) in enumerate(zip(mbs, counts)):
             learn.xb,learn.yb = mxb,myb # callbacks see the micro-batch they act on
+            if rows is not None: rows.enter(sum(sizes[:i]), sum(sizes[:i+1]))
             with self._sync_context(last=i == k-1):
                 if self._mp is not None and not self._autocast_open: self._mp.autocast.__enter__(); self._autocast_open = True
                 learn.pred = learn.model(*learn.xb)
@@ -182,15 +244,19 @@ class MicroBatching(Callback):
                 if learn.loss_grad is not None: learn._with_events(learn._backward, 'backward', CancelBackwardException)
             if k > 1 and c: loss_sum = (0 if loss_sum is None else loss_sum) + learn.loss.detach()*c
             if self.keep_pred: preds.append(to_detach(learn.pred, cpu=False, gather=False))
+            if rows is not None: rows.leave()
             if i < k-1: learn.pred = learn.loss_grad = None # free this micro-batch's output before the next forward
+        if rows is not None: rows.carry_on() # the whole batch's state, row by row, for the next batch
         if k == 1: return preds,learn.loss
         return preds,(torch.zeros_like(learn.loss.detach()) if loss_sum is None else loss_sum/total)
 
     def _counts(self, mbs, sizes)->list:
         "Items in each micro-batch (one device sync for counts other than samples: the weights need their sum up front)"
         if isinstance(self.counter, SampleCount): return sizes
-        cs = [torch.as_tensor(self.counter(mxb, myb), dtype=torch.float64) for mxb,myb in mbs]
-        return torch.stack([c.to(cs[0].device) for c in cs]).tolist()
+        cs = [check_count(self.normalize_by, self.counter(mxb, myb)) for mxb,myb in mbs]
+        cs = torch.stack([c.to(cs[0].device) for c in cs]).tolist()
+        check_counts(self.normalize_by, torch.tensor(min(cs), dtype=torch.float64), torch.tensor(sum(cs), dtype=torch.float64))
+        return cs
 
     @property
     def _manual_sync(self):
@@ -214,8 +280,7 @@ class MicroBatching(Callback):
     def _abandon(self, free:bool=False):
         "Drop what an attempt that did not finish left: its gradients, autocast, and (`free`) the memory the allocator keeps"
         if self._autocast_open: self._mp.autocast.__exit__(None, None, None); self._autocast_open = False
-        for p in self.learn.model.parameters(): # the batch restarts from zero gradients: nothing is counted twice
-            if p.grad is not None: p.grad.zero_()
+        self._zero_grads() # the batch restarts from zero gradients: nothing is counted twice
         if not free: return
         gc.collect()
         if torch.cuda.is_available(): torch.cuda.empty_cache()
@@ -284,6 +349,10 @@ class MicroBatching(Callback):
             warnings.warn("The model has BatchNorm layers in training mode: their batch statistics come from each "
                           "micro-batch, not from the whole batch (consider `GroupNorm`/`LayerNorm`, or frozen BatchNorm)", stacklevel=3)
 
+    def _zero_grads(self):
+        for p in self._learn.model.parameters():
+            if p.grad is not None: p.grad.zero_()
+
     def _fastai_do_one_batch(self):
         return self._saved() if self._saved is not None else type(self.learn)._do_one_batch(self.learn)
 
@@ -293,8 +362,23 @@ class MicroBatching(Callback):
         self._saved,d['_do_one_batch'] = d.get('_do_one_batch'),self._do_one_batch
 
     def _uninstall(self):
+        if self._learn is None: return
         d = self._learn.__dict__
         if d.get('_do_one_batch') != self._do_one_batch: return
         if self._saved is None: del d['_do_one_batch']
         else: d['_do_one_batch'] = self._saved
         self._saved = None
+
+# %% ../../nbs/callback.microbatch.ipynb #d0969768
+_gradaccum_fit = getattr(Learner.fit, 'inner', Learner.fit) # `fit` as `callback.gradaccum` patches it (a re-import wraps it once)
+
+@patch
+def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, start_epoch=0):
+    "`Learner.fit`; if it raises, an attached `MicroBatching` leaves no gradients and gives fastai's `_do_one_batch` back"
+    try: return _gradaccum_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=start_epoch)
+    except BaseException:
+        for cb in self.cbs:
+            if isinstance(cb, MicroBatching):
+                with contextlib.suppress(Exception): cb._end_fit() # never hide the error that stopped the fit
+        raise
+Learner.fit.inner = _gradaccum_fit

@@ -17,6 +17,7 @@ def _check_point(name:str, value)->float|int:
     "`value` as a training position: an `int` epoch index or a `float` fraction of training"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"`{name}` must be a float (fraction of training) or an int (epoch index), got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value): raise ValueError(f"`{name}` must be a finite training position, got {value!r}")
     if value < 0: raise ValueError(f"`{name}` must not be negative, got {value!r}")
     if isinstance(value, numbers.Integral): return int(value)
     if value > 1: raise ValueError(f"`{name}`={value!r} is beyond training: as a float it is a fraction of training, at most 1.0 "
@@ -28,6 +29,14 @@ def _loader_bs(dl)->int|None:
     "The micro-batch size a fastai or PyTorch `DataLoader` states, if any"
     bs = getattr(dl, 'bs', None) if hasattr(dl, 'create_batch') else getattr(dl, 'batch_size', None)
     return bs if isinstance(bs, numbers.Integral) and bs > 0 else None
+
+# %% ../../nbs/callback.schedule.ipynb #170f9e31
+def _check_sched_value(schedule, pct:float, v)->float:
+    "The size `schedule` gave at progress `pct`, or a `ValueError` that names the schedule and the value"
+    if isinstance(v, Tensor) and v.numel() == 1: v = v.item()
+    if isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v) and v > 0: return float(v)
+    raise ValueError(f"`schedule`={getattr(schedule, '__name__', schedule)!r} gave {v!r} at {pct:g} of the schedule: "
+                     "an accumulation size must be a finite, positive number")
 
 # %% ../../nbs/callback.schedule.ipynb #8944b307
 class GradientAccumulationSchedule(GradientAccumulation):
@@ -53,6 +62,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         try: sched = schedule(start_accum_bs, final_accum_bs)
         except TypeError as e:
             raise ValueError(f"`schedule` must be called as `schedule(start, end)`, like `SchedCos`: {schedule!r} raised {e}") from None
+        for p in (0., 0.5, 1.): _check_sched_value(schedule, p, sched(p)) # a bad size now, not mid-fit
         super().__init__(start_accum_bs, log_accum_batch=log_accum_batch, drop_last=drop_last, normalize_by=normalize_by)
         store_attr('start_accum_bs,final_accum_bs,start,finish,schedule,micro_batch_size')
         self.sched,self.micro_bs,self.accum_bss = sched,micro_batch_size,[]
@@ -60,6 +70,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
     def before_fit(self):
         "Place `start` and `finish` in this fit, and find the micro-batch size if the loader states it"
         super().before_fit()
+        check_weighable(self.model, final_accum_bs=self.final_accum_bs)
         if hasattr(self.learn, 'lr_finder'): self.pct_start = self.pct_finish = math.inf # `lr_find`: its epochs are not training's
         else: self.pct_start,self.pct_finish = self._pct_of('start', self.start),self._pct_of('finish', self.finish)
         if self.pct_start > self.pct_finish:
@@ -100,7 +111,9 @@ class GradientAccumulationSchedule(GradientAccumulation):
         "Samples a window opening at training progress `pct` holds, a multiple of the micro-batch size (known once `fit` starts)"
         if pct < self.pct_start: v = self.start_accum_bs
         elif pct >= self.pct_finish: v = self.final_accum_bs
-        else: v = self.sched((pct-self.pct_start)/(self.pct_finish-self.pct_start))
+        else:
+            p = (pct-self.pct_start)/(self.pct_finish-self.pct_start)
+            v = _check_sched_value(self.schedule, p, self.sched(p))
         m = self.micro_bs
         return m*max(1, math.ceil(v/m - 1e-9)) # 1e-9: a value that is a multiple up to rounding stays that multiple
 
@@ -110,6 +123,9 @@ class GradientAccumulationSchedule(GradientAccumulation):
 
     def _window_bs(self)->int: return self.accum_bs_at(self._pct(self.iter, self.n_iter))
     def _plan(self, sizes:list[int])->WindowPlan:
+        if self.micro_bs is None and sizes: # a batch sampler read ahead: its first micro-batch, as `before_batch` would find it
+            self.micro_bs = sizes[0]
+            self._check_sizes()
         return WindowPlan(sizes, lambda i: self.accum_bs_at(self._pct(i, len(sizes))), self._drop)
 
     def _window_pct(self)->float:
