@@ -453,6 +453,7 @@ def before_fit(self:FastaiGradientAccumulation):
     if not _fastai_ga_warned:
         _fastai_ga_warned = True
         warnings.warn("fastai's own GradientAccumulation (fastai.callback.training) runs in this fit, not fastxtend_accum's "
-                      "exact one: a later `from fastai... import *` replaced the name. Import `fastxtend_accum.all` after "
-                      "fastai (or use `fastxtend_accum.tabular.all`, `.text.all`, `.callback.all`)", stacklevel=2)
+                      "exact one. If you meant this library's, a later `from fastai... import *` replaced the name: "
+                      "import `fastxtend_accum.all` after fastai (or use `fastxtend_accum.tabular.all`, `.text.all`, "
+                      "`.callback.all`)", stacklevel=2)
     _fastai_ga_before_fit(self)
