@@ -423,12 +423,12 @@ _learner_fit = fastai_method(Learner, 'fit')
 
 @patch
 def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, start_epoch=0):
-    "fastai's `fit`; if it raises, attached accumulation callbacks drop their open window's gradients"
+    "fastai's `fit`; if it raises, attached callbacks that split batches leave no gradients and put back what they patched"
     patch_loggers() # fastai's W&B/TensorBoard modules, whenever they were imported (before or after this library)
     try: return _learner_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=start_epoch)
     except BaseException:
         for cb in self.cbs:
-            if isinstance(cb, GradientAccumulation):
+            if getattr(type(cb), 'splits_batches', False): # `GradientAccumulation`, `MicroBatching`
                 with contextlib.suppress(Exception): cb._end_fit() # never hide the error that stopped the fit
         raise
 

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/callback.microbatch.ipynb #02826560
 from __future__ import annotations
-import contextlib, gc, sys, time, warnings
+import gc, sys, time, warnings
 from contextlib import nullcontext
 from itertools import accumulate
 from fastai.basics import *
@@ -368,17 +368,3 @@ class MicroBatching(Callback):
         if self._saved is None: del d['_do_one_batch']
         else: d['_do_one_batch'] = self._saved
         self._saved = None
-
-# %% ../../nbs/callback.microbatch.ipynb #d0969768
-_gradaccum_fit = getattr(Learner.fit, 'inner', Learner.fit) # `fit` as `callback.gradaccum` patches it (a re-import wraps it once)
-
-@patch
-def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, start_epoch=0):
-    "`Learner.fit`; if it raises, an attached `MicroBatching` leaves no gradients and gives fastai's `_do_one_batch` back"
-    try: return _gradaccum_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=start_epoch)
-    except BaseException:
-        for cb in self.cbs:
-            if isinstance(cb, MicroBatching):
-                with contextlib.suppress(Exception): cb._end_fit() # never hide the error that stopped the fit
-        raise
-Learner.fit.inner = _gradaccum_fit
