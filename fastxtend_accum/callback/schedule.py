@@ -136,7 +136,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         if isinstance(value, float): return value
         if value > self.n_epoch: # `fine_tune`'s one-epoch frozen fit, say: hold the size the schedule reaches at the end
             self._warn_once(f'past-{name}', f"`{name}`={value} is past the end of this fit of {self.n_epoch} epoch(s): "
-                            f"the schedule {name}s at the end of training instead")
+                            f"the schedule {dict(start='starts', finish='finishes')[name]} at the end of training instead")
             return 1.
         return value/self.n_epoch
 
