@@ -13,7 +13,8 @@ from fastai.data.load import DataLoader as FastaiDataLoader
 
 MICRO_BS,ACCUM_BS,N_EPOCH = 16,64,2
 TEXT_ACCUM_BS = 32
-PG_TIMEOUT = 20 # seconds: a collective that waits longer fails the run instead of stalling it (gloo's default is 30 minutes)
+# seconds: a collective that waits longer fails the run instead of stalling it (gloo's default is 30 minutes)
+PG_TIMEOUT = int(os.environ.get('FXA_PG_TIMEOUT', 20))
 # `buckets`: a length-bucketing `batch_sampler` per process, with the same micro-batch count and different sizes
 BUCKETS = [[16]*8, [8]*7 + [72]]
 
@@ -98,6 +99,22 @@ class Drifting:
         sizes,i = (BUCKETS[1] if self.drift and type(self).calls > 1 else BUCKETS[0]),self.start
         for s in sizes: yield list(range(i, i+s)); i += s
 
+class Resizing(FastaiDataLoader):
+    "A fastai loader whose sizes are known ahead from its `bs` and length, but which yields micro-batches of `sizes` instead"
+    sizes = None
+    def chunkify(self, b):
+        b,ends = list(b),[sum(self.sizes[:k+1]) for k in range(len(self.sizes))]
+        return [b[e-s:e] for s,e in zip(self.sizes, ends)]
+
+def certain_drift_learner(rank, cbs):
+    "128 samples per process in a fastai loader of `bs` 16, planned [16]*8 on both processes; process 1's yields [8]*7+[72]"
+    from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
+    trn,val = digits_split()
+    tdl = Resizing(trn[128*rank:128*(rank+1)], bs=MICRO_BS, device='cpu')
+    tdl.sizes = BUCKETS[rank]
+    dls = DataLoaders(tdl, FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
+    return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss()] + list(cbs))
+
 def buckets_learner(rank, cbs, unsized=False, drift=False):
     from fastai.data.core import DataLoaders
     trn,val = digits_split()
@@ -134,6 +151,10 @@ def run_case(case, out, rank):
             try: learn.fit(N_EPOCH); error = None
             except RuntimeError as e: error = str(e)
         return torch.save(dict(error=error, n_steps=ga.n_steps), os.path.join(out, f'{case}-rank{rank}.pt'))
+    elif base == 'certain_drift': # not in CASES: process 1 raises, process 0 is left in a collective (the launcher ends it)
+        learn = certain_drift_learner(rank, [ga, DDPWrap()])
+        with learn.no_logging(), learn.no_bar(): learn.fit(N_EPOCH)
+        return
     elif base == 'mismatch': # 150 and 144 samples: 10 and 9 micro-batches, so the windows cannot line up
         trn,val = digits_split()
         mine = [trn[i] for i in (range(0, 150), range(150, 294))[rank]]

@@ -127,6 +127,18 @@ def test_a_plan_read_ahead_that_proves_wrong_stops_every_process(runs):
         assert r['n_steps'] == 0
     assert 'process 1: 8 samples, planned 16' in res['drift'][1]['error']
 
+def test_a_loader_that_breaks_its_plan_stops_every_process(tmp_path):
+    """A fastai loader's sizes are known ahead from its `bs` and length ([16]*8 on both processes), but process 1's yields
+    [8]*7+[72]: that process raises at its first micro-batch, naming the sizes, and the launch ends then. Process 0, already
+    in the window's all-reduce, is ended by torchrun, not by a timeout: the process-group timeout is 120 s here, and the
+    whole launch is given 60 s, so a hang fails the test"""
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max_restarts=0', '--master_addr=127.0.0.1',
+           f'--master_port={free_port()}', WORKER, str(tmp_path), 'certain_drift']
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=dict(ENV, FXA_PG_TIMEOUT='120'), cwd=os.path.dirname(HERE))
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert "Process 1's training loader yielded a micro-batch of 8 samples where its plan expected 16" in out, out[-5000:]
+
 def check_samples_run(res, how):
     "The `samples` case, however it was launched, equals one process on the global batches"
     r0,r1 = res['samples']
