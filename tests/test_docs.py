@@ -1,5 +1,5 @@
 "Every public symbol is documented: a docstring, its parameters described (docments), and a page in the docs"
-import importlib, inspect, json, re
+import ast, importlib, inspect, json, re
 from pathlib import Path
 import pytest
 from fastcore.docments import docments
@@ -181,3 +181,21 @@ def test_fastai_symbols_link_to_fastai():
             bad += [f'{nb.name}: {m}' for m in re.findall(r"fastai's (?:built-in )?\[+`?GradientAccumulation`?\]\(https://fastxtend[^)]*\)", md)]
             bad += [f'{nb.name}: a link inside a link: {m}' for m in re.findall(r'\[\[[^\]]*\]\([^)]*\)\]', md)]
     assert not bad, '\n'.join(bad)
+
+def imports_and_other_code(src:str)->bool:
+    """nbdev's rule (`nbdev.processors._do_eval`): a cell that is not exported and holds an import and other code is run
+    whole while the docs are processed, and warns "Found cells containing imports and other code" (a fit in such a cell
+    trains while building the docs, and its progress bar lands on the page)"""
+    if re.search(r'^#\|\s*(export|exports|exporti|exec_doc)\b', src, re.M) or re.search(r'^#\|\s*eval:\s*false', src, re.M|re.I):
+        return False
+    nodes = list(ast.walk(ast.parse(src)))
+    return any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in nodes) and any(isinstance(n, (ast.Expr, ast.Assign)) for n in nodes)
+
+@pytest.mark.parametrize('nb', sorted(p.name for p in NBS.glob('*.ipynb')))
+def test_imports_in_cells_of_their_own(nb):
+    bad = [src[:80] for _,src in code_cells(nb) if imports_and_other_code(src)]
+    assert not bad, f'{nb}: cells with imports and other code (nbdev_proc_nbs runs them whole): {bad}'
+
+def test_imports_rule_has_teeth():
+    assert imports_and_other_code('import math\nx = math.pi') and imports_and_other_code('def f():\n    "doc"\n    import os')
+    assert not imports_and_other_code('import math') and not imports_and_other_code('#| export\nimport math\nx = 1')
