@@ -99,16 +99,23 @@ class RowStates:
             if m.bs != n: m._change_hidden(n) # what the whole batch's forward would do first
         self.start,self.outs = [m.hidden for m in mods],[[] for _ in mods]
 
-    @classmethod
-    def of(cls, model:nn.Module, n:int)->RowStates|None:
-        "`RowStates` of `model`'s `AWD_LSTM`s (`None` if it has none); an error for any other module that carries a state"
-        awd = [m for m in model.modules() if (c := _fastai_text('AWD_LSTM')) is not None and isinstance(m, c)]
+    @staticmethod
+    def modules_of(model:nn.Module)->list:
+        "`model`'s `AWD_LSTM`s; an error for any other module that carries a state (`reset`): a scan of every module"
+        c = _fastai_text('AWD_LSTM')
+        awd = [] if c is None else [m for m in model.modules() if isinstance(m, c)]
         inside = {id(o) for m in awd for o in m.modules()}
         passes = tuple(c for c in map(_fastai_text, ('SequentialRNN', 'SentenceEncoder')) if c is not None) # `reset` goes to children
         other = [m for m in model.modules() if callable(getattr(m, 'reset', None)) and id(m) not in inside and not isinstance(m, passes)]
         if other: raise ValueError(f"MicroBatching cannot split the batch of a model whose {type(other[0]).__name__} has `reset`: "
             "it carries a state from batch to batch, row by row, that MicroBatching only knows how to split for fastai's AWD_LSTM. "
             "Use GradientAccumulation instead (each micro-batch from the loader carries its own rows' state), or a batch that fits whole")
+        return awd
+
+    @classmethod
+    def of(cls, model:nn.Module, n:int)->RowStates|None:
+        "`RowStates` of `model`'s `AWD_LSTM`s (`None` if it has none); an error for any other module that carries a state"
+        awd = cls.modules_of(model)
         return cls(awd, n) if awd else None
 
     def enter(self, a:int, b:int):
@@ -164,7 +171,7 @@ class MicroBatching(Callback):
         self._install()
         self.limit = self.micro_bs if isinstance(self.micro_bs, int) else None # largest micro-batch; `None`: the whole batch
         self.chosen_micro_bs,self.ref_bs,self.ooms,self.throughput = None,None,[],{}
-        self._cands,self._warm,self._reported,self._warned = None,False,None,False
+        self._cands,self._warm,self._reported,self._warned,self._awd = None,False,None,False,None
 
     def before_train(self):
         "Find fastai's `MixedPrecision`, whose autocast each micro-batch reopens"
@@ -219,7 +226,7 @@ class MicroBatching(Callback):
         counts = self._counts(mbs, sizes) if k > 1 else [None]
         total = sum(counts) if k > 1 else None
         if k > 1: self._check_bn()
-        rows = RowStates.of(learn.model, n) if k > 1 else None # a recurrent model's state, handed to each micro-batch's rows
+        rows = self._row_states(n) if k > 1 else None # a recurrent model's state, handed to each micro-batch's rows
         try: return self._run_micro_batches(mbs, sizes, counts, total, rows)
         except BaseException:
             if rows is not None: rows.restore() # a retry starts from the state the batch started from
@@ -249,6 +256,11 @@ class MicroBatching(Callback):
         if rows is not None: rows.carry_on() # the whole batch's state, row by row, for the next batch
         if k == 1: return preds,learn.loss
         return preds,(torch.zeros_like(learn.loss.detach()) if loss_sum is None else loss_sum/total)
+
+    def _row_states(self, n:int)->RowStates|None:
+        "The model's recurrent state, row by row, for a batch split in micro-batches: its modules are scanned once a fit"
+        if self._awd is None: self._awd = RowStates.modules_of(self.learn.model)
+        return RowStates(self._awd, n) if self._awd else None
 
     def _counts(self, mbs, sizes)->list:
         "Items in each micro-batch (one device sync for counts other than samples: the weights need their sum up front)"
