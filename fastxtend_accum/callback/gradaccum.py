@@ -182,7 +182,6 @@ class GradientAccumulation(Callback):
     def before_fit(self):
         "Start clean, even after a fit that was interrupted mid-window"
         check_one_accumulation(self)
-        patch_loggers() # fastai's W&B/TensorBoard callbacks, if the user imported them: a row per optimizer step
         self._abandon_window()
         check_weighable(self.model, accum_bs=self.accum_bs)
         self.accumulating,self.n_steps,self.train_step,self.sync,self._bn_checked = True,0,0,None,False
@@ -191,13 +190,11 @@ class GradientAccumulation(Callback):
     def before_train(self):
         "Plan the epoch's windows from the loader's micro-batch sizes, where they are known ahead"
         self._drop_open_window(self.epoch-1) # an epoch cut short (`CancelEpochException`) skips `after_train`
-        self._drop = loader_drop_last(self.dl) if self.drop_last is None else self.drop_last
-        sizes = micro_batch_sizes(self.dl)
-        self.plan = None if sizes is None else self._plan(sizes)
+        self.plan = self._plan_for(self.dl)
         self.i_window,self._skipped_tail = -1,False
         self._setup_sync()
         # under DDP, a plan read from a batch sampler's copy is checked on every micro-batch, by all processes together
-        self._guessed_ddp = self.sync is not None and self.plan is not None and sizes is not None and _read_ahead(self.dl)
+        self._guessed_ddp = self.sync is not None and self.plan is not None and _read_ahead(self.dl)
         if self.plan is None: self._warn_once('noplan', "The training loader's micro-batch sizes are not known ahead: windows "
             "stay exact, but training progress (the hyper-parameter schedule) is counted in micro-batches, not optimizer steps")
 
@@ -296,10 +293,8 @@ class GradientAccumulation(Callback):
 
     def epochs_for(self, n_steps:int)->int:
         "Epochs a fit needs for `n_steps` optimizer steps, as `lr_find` counts them (`n_steps//steps_per_epoch + 1`)"
-        self._drop = loader_drop_last(self.dls.train) if self.drop_last is None else self.drop_last
-        sizes = micro_batch_sizes(self.dls.train)
-        w = None if sizes is None else self._plan(sizes).n_windows
-        return n_steps+1 if not w else n_steps//w + 1 # not known ahead: at least a step per epoch
+        p = self._plan_for(self.dls.train)
+        return n_steps+1 if p is None or not p.n_windows else n_steps//p.n_windows + 1 # not known ahead: a step an epoch at least
 
     @property
     def progress(self)->tuple:
@@ -383,6 +378,12 @@ class GradientAccumulation(Callback):
 
     @property
     def _by_samples(self): return type(self.counter) is SampleCount
+
+    def _plan_for(self, dl)->WindowPlan|None:
+        "The epoch's windows in `dl`, where its sizes are known ahead, with `drop_last` resolved against it (`None`: the loader's)"
+        self._drop = loader_drop_last(dl) if self.drop_last is None else self.drop_last
+        sizes = micro_batch_sizes(dl)
+        return None if sizes is None else self._plan(sizes)
 
     def _plan(self, sizes:list[int])->WindowPlan: return WindowPlan(sizes, self.accum_bs, self._drop)
 

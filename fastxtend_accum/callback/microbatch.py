@@ -11,7 +11,6 @@ from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from .gradaccum import GradientAccumulation, check_positive_int, check_bool, check_one_accumulation, check_one_learner
-from .loggers import patch_loggers
 from ..normalize import *
 
 # %% auto #0
@@ -167,7 +166,6 @@ class MicroBatching(Callback):
     def before_fit(self):
         "Take over the training batches' forward and backward; 'auto' and 'fastest' start again from the whole batch"
         check_one_accumulation(self) # another MicroBatching, or a GradientAccumulation (this library's or fastai's)
-        patch_loggers() # fastai's W&B callback, if the user imported it: a config fastcore 2 can format
         self._install()
         self.limit = self.micro_bs if isinstance(self.micro_bs, int) else None # largest micro-batch; `None`: the whole batch
         self.chosen_micro_bs,self.ref_bs,self.ooms,self.throughput = None,None,[],{}
