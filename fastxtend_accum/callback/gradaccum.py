@@ -147,20 +147,22 @@ class GradientAccumulation(Callback):
         log_accum_batch:bool=True, # Record losses, hps and progress once per step
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
         normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
+        grad_sync:str='auto', # Several processes: gradients cross them once per 'window' or every 'micro_batch'; 'auto': per engine
     ):
         n_acc = check_positive_int('n_acc', n_acc)
         self.accum_bs = n_acc if accum_bs is None else check_positive_int('accum_bs', accum_bs)
         self.n_acc,self.log_accum_batch = n_acc,check_bool('log_accum_batch', log_accum_batch)
         self.drop_last = check_bool('drop_last', drop_last, none_ok=True)
         self.normalize_by,self.counter = normalize_by,item_counter(normalize_by)
-        self.accumulating,self.window_open,self.window_closed,self.plan,self.sync = False,False,False,None,None
+        self.grad_sync = check_grad_sync(grad_sync)
+        self.accumulating,self.window_open,self.window_closed,self.plan,self.sync = False,False,False,None,WindowSync()
         self._warned = set()
 
     # the callback's own state, set on every micro-batch: fastai's `Callback.__setattr__` checks each name against the
     # Learner (and, through it, the model) for shadowing, a lookup that would cost more than the rest of the callback
     _state = frozenset('accumulating window_open window_closed plan sync n_steps i_window window_bs window_pct closes '
                        'mb_samples mb_items n_samples n_items loss_sum ref _discard _skipped_tail _bn_checked '
-                       'n_seen train_step window_held _drop _stepped n_global items_min'.split())
+                       'n_seen train_step window_held _drop _stepped n_global items_min _count_globally'.split())
     def __setattr__(self, name, value):
         "Set an attribute (the callback's own state without fastai's shadowing check)"
         if name in self._state: object.__setattr__(self, name, value)
@@ -184,7 +186,7 @@ class GradientAccumulation(Callback):
         check_one_accumulation(self)
         self._abandon_window()
         check_weighable(self.model, accum_bs=self.accum_bs)
-        self.accumulating,self.n_steps,self.train_step,self.sync,self._bn_checked = True,0,0,None,False
+        self.accumulating,self.n_steps,self.train_step,self.sync,self._bn_checked = True,0,0,WindowSync(),False
         self._warned.discard('noplan') # said once per fit
 
     def before_train(self):
@@ -193,8 +195,6 @@ class GradientAccumulation(Callback):
         self.plan = self._plan_for(self.dl)
         self.i_window,self._skipped_tail = -1,False
         self._setup_sync()
-        # under DDP, a plan read from a batch sampler's copy is checked on every micro-batch, by all processes together
-        self._guessed_ddp = self.sync is not None and self.plan is not None and _read_ahead(self.dl)
         if self.plan is None: self._warn_once('noplan', "The training loader's micro-batch sizes are not known ahead: windows "
             "stay exact, but training progress (the hyper-parameter schedule) is counted in micro-batches, not optimizer steps")
 
@@ -206,8 +206,8 @@ class GradientAccumulation(Callback):
         n = self.mb_samples = find_bs(learn.yb)
         # counts other than samples stay on the device (no sync), in float64 so that weights and correction cancel exactly
         self.mb_items = n if self._by_samples else check_count(self.normalize_by, self.counter(learn.xb, learn.yb))
-        if self.plan is not None and n != self.plan.sizes[learn.iter] and not self._guessed_ddp:
-            if self.sync is not None: raise RuntimeError(f"Process {self.sync.rank}'s training loader yielded a micro-batch of {n} "
+        if self.plan is not None and n != self.plan.sizes[learn.iter] and not self._count_globally:
+            if self.sync.world_size > 1: raise RuntimeError(f"Process {self.sync.rank}'s training loader yielded a micro-batch of {n} "
                 f"samples where its plan expected {self.plan.sizes[learn.iter]}: the processes' windows could differ")
             self._warn_once('plan', f"The training loader yielded a micro-batch of {n} samples where {self.plan.sizes[learn.iter]} "
                             "were expected: windows stay exact, but progress is now counted in micro-batches")
@@ -217,7 +217,7 @@ class GradientAccumulation(Callback):
         full,last = self._fills_window(n),learn.iter == learn.n_iter-1
         self.closes = full or (last and not self._drop) # windows never span epochs
         self._discard,self._stepped = last and not full and self._drop,False
-        if self.sync is not None: self.sync.before_forward(self.closes) # DDP: all-reduce only in the window's last backward
+        self.sync.before_forward(self.closes) # several processes: gradients communicated as `grad_sync` says
 
     def before_backward(self):
         "Weight the micro-batch's loss by its items over the window's expected items"
@@ -245,12 +245,12 @@ class GradientAccumulation(Callback):
     def _step_window(self):
         "Close the window: the exact mean gradient, then one optimizer step that every callback sees (and may cancel) once"
         learn,self._stepped = self.learn,True
-        if self.sync is None and not self.n_samples: return self._abandon_window() # every micro-batch was cancelled
+        if self.sync.world_size == 1 and not self.n_samples: return self._abandon_window() # every micro-batch was cancelled
         if not self._by_samples: check_counts(self.normalize_by, self.items_min, self.n_items) # one sync per step
         if self.n_seen > self.window_bs:
             self._warn_once('size', f"Micro-batches of {self.mb_samples} samples do not divide accum_bs={self.window_bs}: "
                             f"windows close at {self.n_seen} samples, and each step uses the mean gradient over its window")
-        if self.sync is not None: self._sum_over_processes()
+        self.n_items,self.loss_sum = self.sync.totals(self.n_items, self.n_samples, self.loss_sum) # over all processes
         scale = self._grad_scale()
         if scale is not None: self._scale_grads(scale)
         # `before_step` callbacks (clipping, fp16 unscaling, a user's guard) see the window's mean gradient; a
@@ -269,7 +269,7 @@ class GradientAccumulation(Callback):
 
     def after_batch(self):
         "Hand the window's loss to the Recorder when the window closes"
-        if self.sync is not None: self.sync.after_backward()
+        self.sync.after_backward()
         if not self.window_closed: return
         if not self.n_samples: self.window_open = self.window_closed = False; return # nothing did backward: no record
         # the item-weighted mean over the window: the loss of the large batch it stands for
@@ -317,8 +317,8 @@ class GradientAccumulation(Callback):
         self.window_pct = self._window_pct()
 
     def _fills_window(self, n:int)->bool:
-        "Whether a micro-batch of `n` samples fills the window: under DDP without a plan, counted over all processes"
-        if self.sync is None or (self.plan is not None and not self._guessed_ddp): return self.n_seen >= self.window_bs
+        "Whether a micro-batch of `n` samples fills the window: counted over all processes where their plans differ or may"
+        if not self._count_globally: return self.n_seen >= self.window_bs
         # sizes that differ or are not known ahead: the processes agree on the global count (one tiny all-reduce), and on
         # whether any of them met a micro-batch its plan did not expect: then all of them raise here, none waits
         off = self.plan is not None and n != self.plan.sizes[self.iter]
@@ -342,34 +342,27 @@ class GradientAccumulation(Callback):
     def _window_ref(self):
         "The window's items as expected when it opens (ref): any number works if every micro-batch of the window uses it"
         if self._by_samples: return self.window_bs
-        # estimated from the window's first micro-batch; under DDP every process must use the same one (see `distributed`)
-        if self.sync is not None: return self.sync.items_ref(self.window_bs, self.mb_items, self.mb_samples)
-        return (self.mb_items*self.window_bs/self.mb_samples).clamp(min=1)
+        # estimated from the window's first micro-batch; over several processes, the same on every one (see `distributed`)
+        return self.sync.items_ref(self.window_bs, self.mb_items, self.mb_samples)
 
     def _grad_scale(self):
         "What turns the accumulated sum_i items_i*grad_i/ref into the mean over the window's items (`None`: nothing to do)"
         # the exact arithmetic of the whole library is here: sum_i (c_i/ref) grad_i * ref/C = sum_i (c_i/C) grad_i
-        # under DDP, which averages the R processes' gradients, C is summed over the processes and the factor is R*ref/C
-        if self.sync is not None: return self.sync.world_size*self.ref/self.n_items.clamp(min=1)
-        if self._by_samples: return None if self.n_items == self.ref else self.ref/self.n_items
-        return self.ref/self.n_items.clamp(min=1) # a window of padding only has zero gradients anyway
+        # over R processes, whose engine (DDP, FSDP) averages their gradients, C is summed over them and the factor is R*ref/C
+        f,c = self.sync.world_size*self.ref,self.n_items
+        if isinstance(c, Tensor): return f/c.clamp(min=1) # a window of padding only has zero gradients anyway
+        return None if c == f else f/c
 
     def _setup_sync(self):
-        "A `WindowSync` while the model is wrapped in DDP (fastai's `DistributedTrainer` wraps it after our `before_fit`)"
-        if self.sync is None or self.sync.ddp is not self.model:
-            self.sync = WindowSync.of(self.model)
-            if self.sync is not None and self.sync.world_size > 1 and self.sync.rank == 0:
+        "The sync object of the model's engine (fastai's `DistributedTrainer` wraps the model after our `before_fit`)"
+        if self.sync.model is not self.model:
+            self.sync = window_sync(self.model, self.grad_sync)
+            if self.sync.world_size > 1 and self.sync.rank == 0:
                 n = self.sync.world_size
                 print(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "
                       f"{self.accum_bs*n} samples per optimizer step")
-        if self.sync is not None and not self.sync.check_windows(self.plan, len(self.dl)):
-            self.plan = None # same micro-batch counts, different sizes: windows close on the global count instead
-
-    def _sum_over_processes(self):
-        "The window's items, samples and loss summed over the processes: one small all-reduce per step"
-        c,n,l = self.sync.sum(self.n_items, self.n_samples, self.loss_sum)
-        self.n_items,self.loss_sum = c,l # from here on the window's totals are those of all processes
-        self.sync.items_per_sample = c/n # the next window's ref, the same on every process
+        # processes whose plans differ close windows on the global count; a plan read ahead is checked on every micro-batch
+        self.plan,self._count_globally = self.sync.check_windows(self.plan, len(self.dl), _read_ahead(self.dl))
 
     def _scale_grads(self, scale):
         grads = self._grads()
@@ -390,7 +383,7 @@ class GradientAccumulation(Callback):
     def _end_fit(self):
         "Drop the open window and stop recording per step"
         self._abandon_window()
-        self.accumulating,self.sync = False,None
+        self.accumulating,self.sync = False,WindowSync()
 
     def _drop_open_window(self, epoch:int):
         "Drop a window `epoch` ended in (a loader whose `len` over-reports, an epoch cut short), and say so"
@@ -402,7 +395,7 @@ class GradientAccumulation(Callback):
         "Drop the open window's gradients, if any"
         if self.window_open and self._learn is not None:
             for g in self._grads(): g.zero_()
-        if self.sync is not None: self.sync.after_backward()
+        self.sync.after_backward()
         self.window_open = self.window_closed = False
 
     def _grads(self): return [p.grad for p in self._learn.model.parameters() if p.grad is not None]

@@ -5,13 +5,13 @@
 # %% ../../nbs/callback.microbatch.ipynb #02826560
 from __future__ import annotations
 import gc, sys, time, warnings
-from contextlib import nullcontext
 from itertools import accumulate
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from .gradaccum import GradientAccumulation, check_positive_int, check_bool, check_one_accumulation, check_one_learner
 from ..normalize import *
+from ..distributed import WindowSync, window_sync, check_grad_sync
 
 # %% auto #0
 __all__ = ['split_sizes', 'next_micro_bs', 'slice_batch', 'RowStates', 'MicroBatching']
@@ -59,23 +59,6 @@ def _all_reduce(vals:list, op:str, group=None, dtype=torch.int64)->list:
     t = torch.tensor(vals, dtype=dtype, device=dev)
     dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
     return t.tolist()
-
-def _average_grads(ddp:nn.Module, bucket_bytes:int=25*2**20):
-    "What DDP's synchronising backward does: average the gradients over the processes, in flat buckets"
-    dist,group = torch.distributed,ddp.process_group
-    ws = dist.get_world_size(group)
-    for p in ddp.parameters(): # every process reduces the same list of tensors, used or not
-        if p.requires_grad and p.grad is None: p.grad = torch.zeros_like(p)
-    grads,bucket,size = [p.grad for p in ddp.parameters() if p.requires_grad],[],0
-    def flush():
-        flat = torch._utils._flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
-        flat.div_(ws)
-        for g,f in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)): g.copy_(f)
-    for g in grads:
-        if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device or size >= bucket_bytes): flush(); bucket,size = [],0
-        bucket.append(g); size += g.numel()*g.element_size()
-    if bucket: flush()
 
 def _zero_loss(pred):
     "A loss of exactly 0 that still back-propagates through `pred`: for a micro-batch with no items to average over"
@@ -144,6 +127,7 @@ class MicroBatching(Callback):
         n_timed:int=3, # 'fastest': batches timed per candidate size, after one warm-up batch
         n_candidates:int=3, # 'fastest': sizes timed: the largest that fits, then one more part
         verbose:bool=True, # Print the micro-batch size chosen (and timings, 'fastest')
+        grad_sync:str='auto', # Several processes: gradients cross them once per batch ('window') or every 'micro_batch'; 'auto': per engine
     ):
         if not (isinstance(micro_bs, str) and micro_bs in ('auto', 'fastest')):
             try: micro_bs = check_positive_int('micro_bs', micro_bs)
@@ -151,6 +135,7 @@ class MicroBatching(Callback):
         self.micro_bs,self.normalize_by,self.counter = micro_bs,normalize_by,item_counter(normalize_by)
         self.n_timed,self.n_candidates = check_positive_int('n_timed', n_timed),check_positive_int('n_candidates', n_candidates)
         self.keep_pred,self.verbose = check_bool('keep_pred', keep_pred),check_bool('verbose', verbose)
+        self.grad_sync,self.sync = check_grad_sync(grad_sync),WindowSync()
         self._saved,self._mp,self.chosen_micro_bs,self.ooms,self.throughput = None,None,None,[],{}
 
     @property
@@ -172,8 +157,12 @@ class MicroBatching(Callback):
         self._cands,self._warm,self._reported,self._warned,self._awd = None,False,None,False,None
 
     def before_train(self):
-        "Find fastai's `MixedPrecision`, whose autocast each micro-batch reopens"
+        "Find fastai's `MixedPrecision`, whose autocast each micro-batch reopens, and the sync object of the model's engine"
         self._mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
+        if self.sync.model is not self.learn.model: self.sync = window_sync(self.learn.model, self.grad_sync)
+        if self.sync.sharded and not isinstance(self.micro_bs, int): # an OOM mid-forward would leave the others in an all-gather
+            raise ValueError(f"MicroBatching(micro_bs={self.micro_bs!r}) cannot search for a size on a sharded model "
+                             f"({type(self.learn.model).__name__}): pass the micro-batch size, e.g. `micro_bs=8`")
 
     def after_fit(self):
         "Give fastai's `_do_one_batch` back"
@@ -211,7 +200,7 @@ class MicroBatching(Callback):
         learn.xb,learn.yb = xb,yb
         learn.pred = (preds[0] if len(preds) == 1 else to_concat(preds)) if self.keep_pred else None
         try:
-            if self._manual_sync: _average_grads(learn.model)
+            if self._manual_sync: self.sync.reduce_by_hand()
             learn._with_events(learn._step, 'step', CancelStepException)
         except BaseException: self._zero_grads(); raise # interrupted in `before_step`/`after_step`: no gradient outlives the batch
         learn.opt.zero_grad()
@@ -236,7 +225,7 @@ class MicroBatching(Callback):
         for i,((mxb,myb),c) in enumerate(zip(mbs, counts)):
             learn.xb,learn.yb = mxb,myb # callbacks see the micro-batch they act on
             if rows is not None: rows.enter(sum(sizes[:i]), sum(sizes[:i+1]))
-            with self._sync_context(last=i == k-1):
+            with self.sync.micro_batch(closes=i == k-1 and not self._manual_sync):
                 if self._mp is not None and not self._autocast_open: self._mp.autocast.__enter__(); self._autocast_open = True
                 learn.pred = learn.model(*learn.xb)
                 learn('after_pred')
@@ -270,14 +259,8 @@ class MicroBatching(Callback):
 
     @property
     def _manual_sync(self):
-        "'auto'/'fastest' under DDP: every micro-batch in `no_sync`, so no process enters a collective another left for an OOM"
-        return not isinstance(self.micro_bs, int) and isinstance(self.learn.model, nn.parallel.DistributedDataParallel)
-
-    def _sync_context(self, last:bool):
-        "DDP's `no_sync` on all but the last micro-batch (on all of them when the gradients are averaged by hand)"
-        m = self.learn.model
-        if not isinstance(m, nn.parallel.DistributedDataParallel): return nullcontext()
-        return m.no_sync() if self._manual_sync or not last else nullcontext()
+        "'auto'/'fastest' over several processes: every micro-batch without communication, so no process enters a collective another left for an OOM"
+        return not isinstance(self.micro_bs, int) and self.sync.world_size > 1
 
     def _all_fit(self, fits:bool, n:int, sizes:list)->bool:
         "Whether the batch fit on every process; when it did not, `_next` is the size all of them retry with"
