@@ -38,8 +38,8 @@ class WindowSync:
     """One process: the interface the window logic talks to, whatever the engine, with nothing to communicate.
     Collectives per window: none."""
     world_size,rank,sharded = 1,0,False
-    def __init__(self, model:nn.Module|None=None, # The model as the Learner holds it (wrapped by the engine, if any)
-                 grad_sync:str='auto', # When gradients cross processes: 'auto' (the engine's default), 'window', 'micro_batch'
+    def __init__(self, model:nn.Module|None=None, # The model as the Learner holds it (wrapped, if it is)
+                 grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': the engine's default
                 ):
         self.model,self.grad_sync,self.items_per_sample = model,check_grad_sync(grad_sync),None
 
@@ -78,7 +78,7 @@ class WindowSync:
 
     def __repr__(self): return f'{type(self).__name__}(world_size={self.world_size}, grad_sync={self.grad_sync!r})'
 
-# %% ../nbs/distributed.ipynb #53d7a5d0
+# %% ../nbs/distributed.ipynb #48ff9099
 def _reduce_device(group)->torch.device:
     "Where a collective's tensor must live: NCCL reduces on the current GPU only, gloo on the CPU"
     return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend(group) == 'nccl' else torch.device('cpu')
@@ -87,7 +87,10 @@ class ProcessGroupSync(WindowSync):
     """What every engine over several processes shares: a window's counts and loss summed over the processes (one
     all-reduce of 3 float64 numbers per window), a reference count $\\rho$ the same on every process, and a check, once per
     epoch, that the processes' windows line up (one all-reduce of 2 integers per process) before any collective could differ"""
-    def __init__(self, model:nn.Module, grad_sync:str='auto', group=None):
+    def __init__(self, model:nn.Module, # The model, wrapped by its engine
+                 grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': the engine's default
+                 group=None, # The processes the counts are summed over (None: all)
+                ):
         super().__init__(model, grad_sync)
         self.group,self.device = group,_reduce_device(group)
         self.world_size,self.rank = dist.get_world_size(group),dist.get_rank(group)
@@ -124,7 +127,9 @@ class ProcessGroupSync(WindowSync):
         return plan,read_ahead # a plan read from a batch sampler's copy is checked on every micro-batch, by all processes
 
     @property
-    def engine(self)->str: return type(self.model).__name__
+    def engine(self)->str:
+        "The engine's name, for messages"
+        return type(self.model).__name__
 
     def _enter(self, ctx):
         "Enter the context manager `ctx` until `after_backward`, unless in one already"
@@ -137,12 +142,14 @@ class ProcessGroupSync(WindowSync):
 
     def __repr__(self): return f'{type(self).__name__}(world_size={self.world_size}, grad_sync={self.grad_sync!r}, device={self.device})'
 
-# %% ../nbs/distributed.ipynb #4af8de7a
+# %% ../nbs/distributed.ipynb #cab4f9e6
 class DDPSync(ProcessGroupSync):
     """`DistributedDataParallel` (PyTorch's `no_sync`): gradients all-reduced once per window by default ('window' and
     'auto'), the window's other backwards run in `no_sync()`; 'micro_batch' all-reduces every backward (fastai's way).
     Collectives per window: DDP's gradient all-reduce (one per bucket) once, plus `ProcessGroupSync`'s 3-number all-reduce"""
-    def __init__(self, ddp:DistributedDataParallel, grad_sync:str='auto'): super().__init__(ddp, grad_sync, ddp.process_group)
+    def __init__(self, ddp:DistributedDataParallel, # The model, as DistributedTrainer wraps it
+                 grad_sync:str='auto', # 'window' (= 'auto') or 'micro_batch'
+                ): super().__init__(ddp, grad_sync, ddp.process_group)
 
     def before_forward(self, closes:bool):
         "Skip DDP's all-reduce in the coming backward unless it `closes` the window"
@@ -165,7 +172,7 @@ class DDPSync(ProcessGroupSync):
             bucket.append(g); size += g.numel()*g.element_size()
         if bucket: flush()
 
-# %% ../nbs/distributed.ipynb #918621e5
+# %% ../nbs/distributed.ipynb #62e8e727
 class FSDP1Sync(ProcessGroupSync):
     """`FullyShardedDataParallel` (FSDP1, PyTorch's `no_sync`): by default ('auto', 'micro_batch') every backward
     reduce-scatters, so each process holds only its shard of the gradient; 'window' runs the window's other backwards in
@@ -173,7 +180,9 @@ class FSDP1Sync(ProcessGroupSync):
     Collectives per window: one reduce-scatter per FSDP unit per backward (every micro-batch, or once with 'window'),
     plus `ProcessGroupSync`'s 3-number all-reduce"""
     sharded = True
-    def __init__(self, fsdp, grad_sync:str='auto'):
+    def __init__(self, fsdp:nn.Module, # The model, wrapped in FullyShardedDataParallel
+                 grad_sync:str='auto', # 'micro_batch' (= 'auto') or 'window'
+                ):
         if getattr(fsdp, '_inter_node_pg', None) is not None:
             raise ValueError("FSDP1's hybrid sharding is not supported: shard with FSDP2's `fully_shard` on a 2-D mesh (HSDP) instead")
         super().__init__(fsdp, grad_sync, fsdp.process_group)
@@ -182,7 +191,7 @@ class FSDP1Sync(ProcessGroupSync):
         "With 'window', skip the reduce-scatter in the coming backward unless it `closes` the window"
         if not closes and self.grad_sync == 'window': self._enter(self.model.no_sync())
 
-# %% ../nbs/distributed.ipynb #f4978fd7
+# %% ../nbs/distributed.ipynb #3e31880b
 class FSDP2Sync(ProcessGroupSync):
     """FSDP2 (`fully_shard`; PyTorch's `set_requires_gradient_sync`, `set_requires_all_reduce`): by default ('auto') every
     backward reduce-scatters (sharded gradients held), and on a 2-D mesh (HSDP) the replicate all-reduce runs once per
@@ -191,7 +200,9 @@ class FSDP2Sync(ProcessGroupSync):
     Collectives per window: one reduce-scatter per FSDP module per backward (once with 'window'), on HSDP one all-reduce
     per module per window ('auto', 'window') or per backward ('micro_batch'), plus `ProcessGroupSync`'s 3-number all-reduce"""
     sharded = True
-    def __init__(self, model:nn.Module, grad_sync:str='auto'):
+    def __init__(self, model:nn.Module, # The model, its root sharded with fully_shard
+                 grad_sync:str='auto', # 'auto', 'micro_batch' or 'window'
+                ):
         self.mesh = next(p for p in model.parameters()).device_mesh
         if self.mesh.size() != dist.get_world_size():
             raise ValueError(f"FSDP2 over a mesh of {self.mesh.size()} of the {dist.get_world_size()} processes (tensor or "
@@ -214,9 +225,9 @@ class FSDP2Sync(ProcessGroupSync):
         self.model.set_requires_gradient_sync(True) # also sets `requires_all_reduce`
         self._held = False
 
-# %% ../nbs/distributed.ipynb #96df5ed2
+# %% ../nbs/distributed.ipynb #63183b80
 def window_sync(model:nn.Module, # The model as the Learner holds it
-                grad_sync:str='auto', # When gradients cross processes: 'auto' (the engine's default), 'window', 'micro_batch'
+                grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': the engine's default
                )->WindowSync:
     "The sync object for `model`'s engine: `DDPSync`, `FSDP1Sync`, `FSDP2Sync`, or a `WindowSync` for one process"
     if isinstance(model, DistributedDataParallel): return DDPSync(model, grad_sync)

@@ -147,7 +147,7 @@ class GradientAccumulation(Callback):
         log_accum_batch:bool=True, # Record losses, hps and progress once per step
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
         normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
-        grad_sync:str='auto', # Several processes: gradients cross them once per 'window' or every 'micro_batch'; 'auto': per engine
+        grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
     ):
         n_acc = check_positive_int('n_acc', n_acc)
         self.accum_bs = n_acc if accum_bs is None else check_positive_int('accum_bs', accum_bs)

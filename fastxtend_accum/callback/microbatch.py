@@ -127,7 +127,7 @@ class MicroBatching(Callback):
         n_timed:int=3, # 'fastest': batches timed per candidate size, after one warm-up batch
         n_candidates:int=3, # 'fastest': sizes timed: the largest that fits, then one more part
         verbose:bool=True, # Print the micro-batch size chosen (and timings, 'fastest')
-        grad_sync:str='auto', # Several processes: gradients cross them once per batch ('window') or every 'micro_batch'; 'auto': per engine
+        grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
     ):
         if not (isinstance(micro_bs, str) and micro_bs in ('auto', 'fastest')):
             try: micro_bs = check_positive_int('micro_bs', micro_bs)

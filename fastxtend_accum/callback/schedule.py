@@ -51,6 +51,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         micro_batch_size:int|None=None, # Samples per micro-batch; None: the loader's
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
         normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
+        grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
     ):
         start_accum_bs = check_positive_int('start_accum_bs', start_accum_bs)
         final_accum_bs = check_positive_int('final_accum_bs', final_accum_bs)
@@ -63,7 +64,8 @@ class GradientAccumulationSchedule(GradientAccumulation):
         except TypeError as e:
             raise ValueError(f"`schedule` must be called as `schedule(start, end)`, like `SchedCos`: {schedule!r} raised {e}") from None
         for p in (0., 0.5, 1.): _check_sched_value(schedule, p, sched(p)) # a bad size now, not mid-fit
-        super().__init__(start_accum_bs, log_accum_batch=log_accum_batch, drop_last=drop_last, normalize_by=normalize_by)
+        super().__init__(start_accum_bs, log_accum_batch=log_accum_batch, drop_last=drop_last, normalize_by=normalize_by,
+                         grad_sync=grad_sync)
         store_attr('start_accum_bs,final_accum_bs,start,finish,schedule,micro_batch_size')
         self.sched,self.micro_bs,self.accum_bss = sched,micro_batch_size,[]
 
