@@ -142,7 +142,7 @@ class GradientAccumulation(Callback):
     order,run_valid = MixedPrecision.order-4,False # before `MixedPrecision` and `ParamScheduler`: a window's weights and pct_train first
     _learn,splits_batches = None,True
     def __init__(self,
-        accum_bs:int|None=None, # Samples per optimizer step (per process, unless global_bs); None: n_acc
+        accum_bs:int|None=None, # Samples per step (per process unless global_bs); None: n_acc
         n_acc:int=32, # fastai's name for accum_bs, used when accum_bs is None
         global_bs:bool=False, # accum_bs counts samples over all processes
         log_accum_batch:bool=True, # Record losses, hps and progress once per step

@@ -42,7 +42,7 @@ def _check_sched_value(schedule, pct:float, v)->float:
 class GradientAccumulationSchedule(GradientAccumulation):
     "Accumulate gradients over a number of samples that follows `schedule` from `start_accum_bs` to `final_accum_bs`"
     def __init__(self,
-        start_accum_bs:int, # Samples per optimizer step before start (per process, unless global_bs)
+        start_accum_bs:int, # Samples per step before start (per process unless global_bs)
         final_accum_bs:int, # Samples per optimizer step from finish on (may be smaller)
         start:float|int=0, # Where it starts: a fraction of training, or an epoch (int)
         finish:float|int=0.3, # Where it reaches final_accum_bs: a fraction, or an epoch
