@@ -114,6 +114,14 @@ def loggers(out:str, tag:str):
     return run,[WandbCallback(log_preds=False, log_model=False),
                 TensorBoardCallback(os.path.join(out, f'tb-{tag}'), trace_model=False, log_preds=False)]
 
+def pg_kwargs()->dict:
+    """`distrib_ctx`'s arguments: none when the script set up the process group; else the process-group timeout for the
+    group that fastai's `DistributedTrainer` (its `Accelerator`) sets up, before the fit, as in a user's script"""
+    if dist.is_initialized() or int(os.environ.get('WORLD_SIZE', 1)) == 1: return {}
+    from datetime import timedelta
+    from accelerate.utils import InitProcessGroupKwargs
+    return dict(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=W.PG_TIMEOUT))])
+
 def run_case(case:str, out:str, world:int, rank:int):
     cb,probe,ef = callbacks(case),Probe(),EpochsFor()
     learn = learner(case, world, rank, [cb, probe, ef])
@@ -125,7 +133,7 @@ def run_case(case:str, out:str, world:int, rank:int):
         try:
             if case == 'unwrapped': learn.fit_one_cycle(N_EPOCH, LR, cbs=extra) # no distrib_ctx: no DDP
             else:
-                with learn.distrib_ctx(cpu=True): learn.fit_one_cycle(N_EPOCH, LR, cbs=extra)
+                with learn.distrib_ctx(cpu=True, **pg_kwargs()): learn.fit_one_cycle(N_EPOCH, LR, cbs=extra)
         except ValueError as e: res['error'] = str(e)
         finally:
             if run is not None: run.finish()
@@ -142,7 +150,7 @@ def main(out:str, world:int, cases:list[str]):
     torch.set_num_threads(1)
     rank = int(os.environ.get('RANK', 0))
     W.fastai_distributed() # `Learner.distrib_ctx`; DistributedDL broadcasting the sample order on the CPU
-    if world > 1:
+    if world > 1 and not os.environ.get('FXA_NO_INIT'): # FXA_NO_INIT: the script leaves it to `distrib_ctx`
         from datetime import timedelta
         dist.init_process_group('gloo', timeout=timedelta(seconds=W.PG_TIMEOUT))
         assert dist.get_world_size() == world

@@ -19,8 +19,8 @@ WORKER = os.path.join(HERE, 'global_bs_worker.py')
 TRAINED = ['ga', 'gas', 'ga_dealt', 'gas_dealt', 'gas_cos_dealt', 'indivisible_dealt', 'gas_indivisible_dealt']
 ONE,TWO = TRAINED,TRAINED + ['ga_off', 'gas_below', 'unwrapped']
 
-def run(cmd):
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=ENV, cwd=os.path.dirname(HERE))
+def run(cmd, env=ENV):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=os.path.dirname(HERE))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return p.stdout
 
@@ -89,6 +89,16 @@ def test_world_size_is_known_at_before_fit(runs):
             assert r['wrapped_at_fit'] == 'Sequential' # not wrapped yet at the callback's before_fit
             assert (r['ws_fit'], r['ws_train']) == (2, [(2, 2, 'DistributedDataParallel')]*G.N_EPOCH)
     assert res['ga'][1][0]['epochs_for_10'] == res['ga'][2][0]['epochs_for_10'] == res['ga'][2][1]['epochs_for_10'] == 2
+
+def test_distrib_ctx_sets_up_the_process_group_before_the_fit(tmp_path):
+    """A script that leaves the process group to `distrib_ctx` (fastai's DistributedTrainer builds an `Accelerator`, which
+    sets it up when `distrib_ctx` is entered, before `fit`): the world size is known at `before_fit` all the same"""
+    run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
+         f'--master_port={free_port()}', WORKER, str(tmp_path), '2', 'ga'], env=dict(ENV, FXA_NO_INIT='1'))
+    for r in range(2):
+        res = torch.load(tmp_path/f'ga-w2-rank{r}.pt')
+        assert (res['ws_fit'], res['wrapped_at_fit'], res['epochs_for_10']) == (2, 'Sequential', 2)
+        assert [n for _,n,_ in res['steps']] == EXPECTED['ga']
 
 def test_indivisible_message(runs):
     "A global batch the processes cannot share exactly: the library's rule, and a one-time message with both sizes"
