@@ -13,8 +13,8 @@ except ImportError: FSDPModule = FullyShardedDataParallel = None # a PyTorch wit
 from fastai.data.load import DataLoader as FastaiDataLoader
 
 # %% auto #0
-__all__ = ['GRAD_SYNCS', 'samples_per_process', 'check_grad_sync', 'WindowSync', 'ProcessGroupSync', 'DDPSync', 'FSDP1Sync',
-           'FSDP2Sync', 'window_sync']
+__all__ = ['GRAD_SYNCS', 'samples_per_process', 'default_world_size', 'check_grad_sync', 'WindowSync', 'ProcessGroupSync',
+           'DDPSync', 'FSDP1Sync', 'FSDP2Sync', 'window_sync']
 
 # %% ../nbs/distributed.ipynb #93c672cd
 def samples_per_process(dl, # A training loader
@@ -25,6 +25,13 @@ def samples_per_process(dl, # A training loader
     # an equal slice; it learns its own `n` only once it iterates (and then holds the global one)
     if isinstance(inner, FastaiDataLoader) and isinstance(ws, int) and ws > 0: return -(-inner.n//ws)
     return getattr(dl, 'n', None)
+
+# %% ../nbs/distributed.ipynb #a7c1f0e2
+def default_world_size()->int:
+    "Processes in torch.distributed's default process group (1 without one): the world size a fit trains over, known at `before_fit`"
+    # `distrib_ctx` and the launchers initialize the group before the fit; the engine (DDP, FSDP) wraps the model later, in
+    # fastai's `DistributedTrainer.before_fit`, and its process group is this one: `GradientAccumulation` checks they agree
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 # %% ../nbs/distributed.ipynb #1b3d0e71
 GRAD_SYNCS = ('auto', 'window', 'micro_batch')
@@ -65,8 +72,8 @@ class WindowSync:
     def _all_reduce(self, v:Tensor): pass
 
     def totals(self, items, samples, loss)->tuple:
-        "The window's items and loss over all processes (one process: its own, as they are)"
-        return items,loss
+        "The window's items, samples and loss over all processes (one process: its own, as they are)"
+        return items,samples,loss
 
     def items_ref(self, window_bs:int, items, samples)->Tensor:
         "Items expected in a window of `window_bs` samples: $\\rho$ for counts other than samples, from the window's first micro-batch"
@@ -99,10 +106,10 @@ class ProcessGroupSync(WindowSync):
     def _all_reduce(self, v:Tensor): dist.all_reduce(v, group=self.group)
 
     def totals(self, items, samples, loss)->tuple:
-        "The window's items and loss summed over the processes: one small all-reduce per step; the next window's $\\rho$ follows"
+        "The window's items, samples and loss summed over the processes: one small all-reduce per step; the next window's $\\rho$ follows"
         c,n,l = self.sum(items, samples, loss)
         self.items_per_sample = c/n # the same on every process
-        return c,l
+        return c,n,l
 
     def items_ref(self, window_bs:int, items, samples)->Tensor:
         "Items expected in a window of `window_bs` samples, the same on every process: $\\rho$ for counts other than samples"

@@ -142,8 +142,9 @@ class GradientAccumulation(Callback):
     order,run_valid = MixedPrecision.order-4,False # before `MixedPrecision` and `ParamScheduler`: a window's weights and pct_train first
     _learn,splits_batches = None,True
     def __init__(self,
-        accum_bs:int|None=None, # Samples per optimizer step (per process); None: n_acc
+        accum_bs:int|None=None, # Samples per step (per process unless global_bs); None: n_acc
         n_acc:int=32, # fastai's name for accum_bs, used when accum_bs is None
+        global_bs:bool=False, # accum_bs counts samples over all processes
         log_accum_batch:bool=True, # Record losses, hps and progress once per step
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
         normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
@@ -152,6 +153,7 @@ class GradientAccumulation(Callback):
         n_acc = check_positive_int('n_acc', n_acc)
         self.accum_bs = n_acc if accum_bs is None else check_positive_int('accum_bs', accum_bs)
         self.n_acc,self.log_accum_batch = n_acc,check_bool('log_accum_batch', log_accum_batch)
+        self.global_bs,self.world_size = check_bool('global_bs', global_bs),1
         self.drop_last = check_bool('drop_last', drop_last, none_ok=True)
         self.normalize_by,self.counter = normalize_by,item_counter(normalize_by)
         self.grad_sync = check_grad_sync(grad_sync)
@@ -162,7 +164,7 @@ class GradientAccumulation(Callback):
     # Learner (and, through it, the model) for shadowing, a lookup that would cost more than the rest of the callback
     _state = frozenset('accumulating window_open window_closed plan sync n_steps i_window window_bs window_pct closes '
                        'mb_samples mb_items n_samples n_items loss_sum ref _discard _skipped_tail _bn_checked '
-                       'n_seen train_step window_held _drop _stepped n_global items_min _count_globally'.split())
+                       'n_seen train_step window_held _drop _stepped n_global items_min _count_globally window_gbs world_size'.split())
     def __setattr__(self, name, value):
         "Set an attribute (the callback's own state without fastai's shadowing check)"
         if name in self._state: object.__setattr__(self, name, value)
@@ -186,6 +188,9 @@ class GradientAccumulation(Callback):
         check_one_accumulation(self)
         self._abandon_window()
         check_weighable(self.model, accum_bs=self.accum_bs)
+        # the processes the fit trains over, known before fastai's `DistributedTrainer` wraps the model: sizes are planned
+        # from here on (lr_find's epochs, a schedule's checks); `before_train` checks it against the engine's
+        self.world_size = default_world_size()
         self.accumulating,self.n_steps,self.train_step,self.sync,self._bn_checked = True,0,0,WindowSync(),False
         self._warned.discard('noplan') # said once per fit
 
@@ -247,17 +252,15 @@ class GradientAccumulation(Callback):
         learn,self._stepped = self.learn,True
         if self.sync.world_size == 1 and not self.n_samples: return self._abandon_window() # every micro-batch was cancelled
         if not self._by_samples: check_counts(self.normalize_by, self.items_min, self.n_items) # one sync per step
-        if self.n_seen > self.window_bs:
-            self._warn_once('size', f"Micro-batches of {self.mb_samples} samples do not divide accum_bs={self.window_bs}: "
-                            f"windows close at {self.n_seen} samples, and each step uses the mean gradient over its window")
-        self.n_items,self.loss_sum = self.sync.totals(self.n_items, self.n_samples, self.loss_sum) # over all processes
+        self.n_items,held,self.loss_sum = self.sync.totals(self.n_items, self.n_samples, self.loss_sum) # over all processes
+        if 'size' not in self._warned and self._overfilled(): self._warn_once('size', self._size_message(held))
         scale = self._grad_scale()
         if scale is not None: self._scale_grads(scale)
         # `before_step` callbacks (clipping, fp16 unscaling, a user's guard) see the window's mean gradient; a
         # `CancelStepException` skips the window, and fastai's `zero_grad` clears it, as on the large batch
         learn._with_events(self._step, 'step', CancelStepException)
         learn.opt.zero_grad()
-        self.window_closed,self.window_held,self.train_step = True,self.n_samples,self.train_step+1
+        self.window_closed,self.window_held,self.train_step = True,held,self.train_step+1
 
     def _step(self):
         self.learn._step()
@@ -288,8 +291,8 @@ class GradientAccumulation(Callback):
 
     @property
     def held_bs(self)->int:
-        "Samples in the window: what it held once closed (an epoch's short last window too), its target before"
-        return self.window_held if self.window_closed else self.window_bs
+        "Samples in the window over all processes: what it held once closed (an epoch's short last window too), its target before"
+        return int(self.window_held) if self.window_closed else self.window_gbs
 
     def epochs_for(self, n_steps:int)->int:
         "Epochs a fit needs for `n_steps` optimizer steps, as `lr_find` counts them (`n_steps//steps_per_epoch + 1`)"
@@ -310,7 +313,8 @@ class GradientAccumulation(Callback):
             if isinstance(self.dl, FastaiDataLoader): self._skipped_tail = True; raise CancelTrainException()
         self._check_bn()
         self.i_window += 1
-        self.window_bs = self._window_bs()
+        bs = self._window_bs()
+        self.window_bs,self.window_gbs = self._per_process(bs),self._over_processes(bs)
         self.n_samples,self.n_seen,self.n_items,self.loss_sum,self.ref,self.n_global = 0,0,0,0.,None,0
         if not self._by_samples: self.items_min = torch.tensor(math.inf, dtype=torch.float64)
         self.window_open,self.window_closed,self._discard,self.window_held = True,False,False,0
@@ -328,7 +332,7 @@ class GradientAccumulation(Callback):
             "would differ: their batch samplers do not give the sizes a copy of them gave")
         self.n_global += int(tot)
         if self.plan is not None: return self.n_seen >= self.window_bs
-        return self.n_global >= self.window_bs*self.sync.world_size
+        return self.n_global >= self.window_gbs
 
     def _window_pct(self)->float:
         "Training progress the window's hyper-parameters are scheduled at: in optimizer steps where the plan is known"
@@ -336,8 +340,37 @@ class GradientAccumulation(Callback):
         return self.pct_train if p is None else (self.epoch + self.i_window/p.n_windows)/self.n_epoch
 
     def _window_bs(self)->int:
-        "Samples the window opening now should hold (a schedule changes it between windows)"
+        "Samples the window opening now should hold, as `accum_bs` counts them (a schedule changes it between windows)"
         return self.accum_bs
+
+    def _per_process(self, bs:int)->int:
+        "Samples each process adds to a window of `bs` (as `accum_bs` counts them): with `global_bs`, its share, rounded up"
+        # a window closes at the first micro-batch that reaches the share: with equal micro-batches, where the global count
+        # first reaches `bs` (ceil(ceil(bs/R)/m) = ceil(bs/(R*m)))
+        return -(-bs//self.world_size) if self.global_bs else bs
+
+    def _over_processes(self, bs:int)->int:
+        "Samples over all processes of a window of `bs` (as `accum_bs` counts them)"
+        return bs if self.global_bs else bs*self.world_size
+
+    def _overfilled(self)->bool:
+        "Whether the window closed past its target: micro-batches that do not divide it (over all processes with `global_bs`)"
+        if self._count_globally: return self.n_global > self.window_gbs
+        return self.n_seen > self.window_bs or (self.n_seen == self.window_bs and self.window_bs*self.world_size > self.window_gbs)
+
+    def _size_message(self, held)->str:
+        "The one-time message for windows that close past their target, with the global and per-process sizes over processes"
+        R = self.world_size
+        if R == 1 or not (self.global_bs or self._count_globally):
+            return (f"Micro-batches of {self.mb_samples} samples do not divide accum_bs={self.window_bs}: windows close at "
+                    f"{self.n_seen} samples, and each step uses the mean gradient over its window")
+        target = (f"accum_bs={self.window_gbs} over {R} processes (global_bs=True: {self.window_bs} per process)" if self.global_bs
+                  else f"accum_bs={self.window_bs} per process x {R} processes = {self.window_gbs}")
+        mbs = ("The processes' micro-batches" if self._count_globally
+               else f"Micro-batches of {self.mb_samples} samples on each of {R} processes")
+        per = '' if self._count_globally else f" ({self.n_seen} per process)"
+        return (f"{mbs} do not divide {target}: windows close at {int(held)} samples over all processes{per}, and each step "
+                "uses the mean gradient over its window")
 
     def _window_ref(self):
         "The window's items as expected when it opens (ref): any number works if every micro-batch of the window uses it"
@@ -356,11 +389,17 @@ class GradientAccumulation(Callback):
     def _setup_sync(self):
         "The sync object of the model's engine (fastai's `DistributedTrainer` wraps the model after our `before_fit`)"
         if self.sync.model is not self.model:
-            self.sync = window_sync(self.model, self.grad_sync)
-            if self.sync.world_size > 1 and self.sync.rank == 0:
-                n = self.sync.world_size
-                print(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "
-                      f"{self.accum_bs*n} samples per optimizer step")
+            self.sync,n = window_sync(self.model, self.grad_sync),self.world_size
+            if self.global_bs and self.sync.world_size != n: # sizes were planned for `n` processes since `before_fit`
+                raise ValueError(f"`global_bs=True` shares accum_bs={self.accum_bs} over the {n} processes of torch.distributed's "
+                    f"default process group, but the model ({type(self.model).__name__}) trains on {self.sync.world_size}: wrap it "
+                    "for distributed training over every process (fastai's `distrib_ctx`), or pass `global_bs=False`")
+            self.world_size = n = self.sync.world_size
+            if n > 1 and self.sync.rank == 0:
+                if self.global_bs: print(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per optimizer step (global_bs=True) = "
+                                         f"{self._per_process(self.accum_bs)} samples per process x {n} processes")
+                else: print(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "
+                            f"{self.accum_bs*n} samples per optimizer step")
         # processes whose plans differ close windows on the global count; a plan read ahead is checked on every micro-batch
         self.plan,self._count_globally = self.sync.check_windows(self.plan, len(self.dl), _read_ahead(self.dl))
 
@@ -378,7 +417,7 @@ class GradientAccumulation(Callback):
         sizes = micro_batch_sizes(dl)
         return None if sizes is None else self._plan(sizes)
 
-    def _plan(self, sizes:list[int])->WindowPlan: return WindowPlan(sizes, self.accum_bs, self._drop)
+    def _plan(self, sizes:list[int])->WindowPlan: return WindowPlan(sizes, self._per_process(self.accum_bs), self._drop)
 
     def _end_fit(self):
         "Drop the open window and stop recording per step"

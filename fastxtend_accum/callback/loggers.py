@@ -68,7 +68,7 @@ def _patch_wandb(mod):
         hypers = {f'{k}_{i}':v for i,h in enumerate(self.opt.hypers) for k,v in h.items()}
         wandb.log({'epoch': self._wandb_epoch, 'train_loss': self.smooth_loss, 'raw_loss': self.loss,
                    'accum_bs': cb.held_bs, **hypers}, step=self._wandb_step)
-        wandb.log({'train_samples_per_sec': cb.n_samples/window_time}, step=self._wandb_step)
+        wandb.log({'train_samples_per_sec': cb.held_bs/window_time}, step=self._wandb_step) # over all processes
 
 _patchers['fastai.callback.wandb'] = _patch_wandb
 

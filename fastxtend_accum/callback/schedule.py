@@ -42,11 +42,12 @@ def _check_sched_value(schedule, pct:float, v)->float:
 class GradientAccumulationSchedule(GradientAccumulation):
     "Accumulate gradients over a number of samples that follows `schedule` from `start_accum_bs` to `final_accum_bs`"
     def __init__(self,
-        start_accum_bs:int, # Samples per optimizer step before start (per process)
+        start_accum_bs:int, # Samples per step before start (per process unless global_bs)
         final_accum_bs:int, # Samples per optimizer step from finish on (may be smaller)
         start:float|int=0, # Where it starts: a fraction of training, or an epoch (int)
         finish:float|int=0.3, # Where it reaches final_accum_bs: a fraction, or an epoch
         schedule:Callable=SchedCos, # A fastai annealer: schedule(start, end)(pct)
+        global_bs:bool=False, # The sizes count samples over all processes
         log_accum_batch:bool=True, # Record losses, hps and progress once per step
         micro_batch_size:int|None=None, # Samples per micro-batch; None: the loader's
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
@@ -64,8 +65,8 @@ class GradientAccumulationSchedule(GradientAccumulation):
         except TypeError as e:
             raise ValueError(f"`schedule` must be called as `schedule(start, end)`, like `SchedCos`: {schedule!r} raised {e}") from None
         for p in (0., 0.5, 1.): _check_sched_value(schedule, p, sched(p)) # a bad size now, not mid-fit
-        super().__init__(start_accum_bs, log_accum_batch=log_accum_batch, drop_last=drop_last, normalize_by=normalize_by,
-                         grad_sync=grad_sync)
+        super().__init__(start_accum_bs, global_bs=global_bs, log_accum_batch=log_accum_batch, drop_last=drop_last,
+                         normalize_by=normalize_by, grad_sync=grad_sync)
         store_attr('start_accum_bs,final_accum_bs,start,finish,schedule,micro_batch_size')
         self.sched,self.micro_bs,self.accum_bss = sched,micro_batch_size,[]
 
@@ -110,13 +111,13 @@ class GradientAccumulationSchedule(GradientAccumulation):
         if rec is not None and self._param_scheduler() is None: rec.hps = {'lr': list(rec.lrs), 'accum_bs': self.accum_bss}
 
     def accum_bs_at(self, pct:float)->int:
-        "Samples a window opening at training progress `pct` holds, a multiple of the micro-batch size (known once `fit` starts)"
+        "Samples a window opening at training progress `pct` holds (over all processes with `global_bs`), a multiple of the micro-batch size"
         if pct < self.pct_start: v = self.start_accum_bs
         elif pct >= self.pct_finish: v = self.final_accum_bs
         else:
             p = (pct-self.pct_start)/(self.pct_finish-self.pct_start)
             v = _check_sched_value(self.schedule, p, self.sched(p))
-        m = self.micro_bs
+        m = self._unit() # the micro-batch size (known once `fit` starts), on every process with `global_bs`
         return m*max(1, math.ceil(v/m - 1e-9)) # 1e-9: a value that is a multiple up to rounding stays that multiple
 
     def _pct(self, i:int, n_iter:int)->float:
@@ -128,7 +129,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         if self.micro_bs is None and sizes: # a batch sampler read ahead: its first micro-batch, as `before_batch` would find it
             self.micro_bs = sizes[0]
             self._check_sizes()
-        return WindowPlan(sizes, lambda i: self.accum_bs_at(self._pct(i, len(sizes))), self._drop)
+        return WindowPlan(sizes, lambda i: self._per_process(self.accum_bs_at(self._pct(i, len(sizes)))), self._drop)
 
     def _window_pct(self)->float:
         "Hyper-parameters follow the same clock as the size: training progress at the window's first micro-batch"
@@ -142,13 +143,20 @@ class GradientAccumulationSchedule(GradientAccumulation):
             return 1.
         return value/self.n_epoch
 
+    def _unit(self)->int:
+        "The step a window's size moves by: a micro-batch, on every process with `global_bs` (what the processes share exactly)"
+        return self.micro_bs*(self.world_size if self.global_bs else 1)
+
     def _check_sizes(self):
+        m,R,u = self.micro_bs,self.world_size,self._unit()
+        unit = f"the micro-batch size {m}" + (f" x {R} processes = {u} (global_bs=True)" if u != m else '')
         for name in ('start_accum_bs', 'final_accum_bs'):
             v = getattr(self, name)
-            if v < self.micro_bs:
-                raise ValueError(f"`{name}`={v} is below the micro-batch size {self.micro_bs}: a window holds at least one micro-batch")
-            if v % self.micro_bs:
-                self._warn_once(name, f"`{name}`={v} is not a multiple of the micro-batch size {self.micro_bs}: "
-                                f"its windows hold {self.micro_bs*math.ceil(v/self.micro_bs)} samples")
+            if v < u: raise ValueError(f"`{name}`={v} is below {unit}: a window holds at least one micro-batch"
+                                       + (' on each process' if u != m else ''))
+            if v % u:
+                held = u*math.ceil(v/u)
+                self._warn_once(name, f"`{name}`={v} is not a multiple of {unit}: its windows hold {held} samples"
+                                + (f" ({held//R} per process)" if u != m else ''))
 
     def _param_scheduler(self): return next((cb for cb in self.learn.cbs if isinstance(cb, ParamScheduler)), None)
