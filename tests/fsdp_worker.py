@@ -115,11 +115,18 @@ class TokenMLP(nn.Module):
 COLLECTIVES = dict(reduce_scatter=('reduce_scatter_tensor', 'reduce_scatter_single', 'reduce_scatter'),
                    all_reduce=('all_reduce',), all_gather=('all_gather_single', 'all_gather_into_tensor', 'all_gather'))
 
+def _nbytes(args, kwargs)->int:
+    "The size of a collective: its largest tensor argument (the unsharded side of a reduce-scatter or an all-gather)"
+    sizes = [o.nbytes if isinstance(o, Tensor) else sum(t.nbytes for t in o) if isinstance(o, (list, tuple)) and o
+             and all(isinstance(t, Tensor) for t in o) else 0 for o in [*args, *kwargs.values()]]
+    return max(sizes, default=0)
+
 class CollectiveCounter:
-    """Counts calls of `torch.distributed`'s collectives, by kind, once `install`ed in a process: the engine's (FSDP's
-    reduce-scatters and all-gathers, HSDP's all-reduces) and, apart, the library's own (its direct caller is a
-    `fastxtend_accum` module: the window's counts, the epoch's check)"""
-    def __init__(self): self.n = {}
+    """Counts calls of `torch.distributed`'s collectives, and their bytes, by kind, once `install`ed in a process: the
+    engine's (FSDP's reduce-scatters and all-gathers, HSDP's all-reduces, DDP's all-reduces through its default
+    communication hook) and, apart, the library's own (its direct caller is a `fastxtend_accum` module: the window's counts,
+    the epoch's check)"""
+    def __init__(self): self.n,self.bytes = {},{}
     def install(self):
         for kind,names in COLLECTIVES.items():
             for name in names:
@@ -129,11 +136,12 @@ class CollectiveCounter:
                     who = 'library' if sys._getframe(1).f_globals.get('__name__', '').startswith('fastxtend_accum') else 'engine'
                     k = f'{who}_{_kind}'
                     self.n[k] = self.n.get(k, 0) + 1
+                    self.bytes[k] = self.bytes.get(k, 0) + _nbytes(args, kwargs)
                     return _f(*args, **kwargs)
                 wrapped._counted = True
                 setattr(dist, name, wrapped)
         return self
-    def snapshot(self)->dict: return dict(self.n)
+    def snapshot(self)->dict: return dict(self.n) | {f'{k}_bytes': v for k,v in self.bytes.items()}
     @staticmethod
     def delta(a:dict, b:dict)->dict: return {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b) if b.get(k, 0) != a.get(k, 0)}
 

@@ -171,7 +171,8 @@ def figures(cases:list[str], nproc:int):
             print(f"{c}: raised on every process after {secs}: {rs[0]['error'].splitlines()[-1] if rs[0]['error'] else 'no error'}")
             continue
         f,n = compare(c, rs),len(rs[0]['steps'])
-        per = ', '.join(f"{k.removeprefix('engine_')} {v/n:.2f}" for k,v in sorted(rs[0]['collectives'].items()) if k.startswith('engine'))
+        per = ', '.join(f"{k.removeprefix('engine_')}s {v/n:.2f}" for k,v in sorted(rs[0]['collectives'].items())
+                        if k.startswith('engine') and not k.endswith('bytes'))
         print(f"{c}: max |param diff| {f['param_diff']:.2e}, max |loss diff| {f['loss_diff']:.2e} ({f['n_steps']} steps); "
               f"per window: {per}; peak gradient {rs[0]['peak_grad_bytes']:,} B")
 
