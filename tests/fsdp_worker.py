@@ -17,7 +17,8 @@ A case is `engine-algo-data-opt[-grad_sync][-variant]`:
   tga/tmb (tokens: TokenCount, GradientAccumulation(32) on micro-batches of 16, MicroBatching(10) on batches of 32)
 - data: even (fastai's `DistributedDL` over 300 samples: 150 each), uneven (150 and 146 samples: last windows of 22
   and 18), tiny (150 and 132: last batches of 22 and 4), mismatch (150 and 144: 10 and 9 micro-batches),
-  fewer (150 and 100: 3 and 2 batches), text (300 lines of Python's help, 150 per process)
+  fewer (150 and 100: 3 and 2 batches), text (300 lines of Python's help, 150 per process), buckets (128 samples each, a
+  `batch_sampler` of sizes [16]*8 on one process and [8]*7+[72] on the other: windows close on the global count)
 - opt: sgd, adam (fastai's), adamw, tsgd (`OptimWrapper` of torch's AdamW, SGD)
 - variant: local (each process corrects by its own counts: what the library did before it summed them), search
   (MicroBatching('auto'), refused on a sharded model), torchzero (fastai's optimizers on FSDP1, whose `zero_grad` is
@@ -28,7 +29,7 @@ import contextlib, os, sys, time
 from functools import partial
 import torch, torch.nn as nn, torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp_worker import PG_TIMEOUT, N_EPOCH, digits_split, shards, fastai_distributed
+from ddp_worker import PG_TIMEOUT, N_EPOCH, digits_split, shards, fastai_distributed, bucket_batches
 from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader
 
@@ -43,7 +44,7 @@ CASES = [ # 2 processes
     *[f'{e}-ga-uneven-{o}' for e in ('fsdp2', 'fsdp1') for o in (('sgd', 'adam', 'adamw') if e == 'fsdp2' else ('tsgd', 'adamw'))],
     'fsdp2-ga-even-sgd', 'fsdp1-ga-even-tsgd', 'fsdp2-ga-uneven-sgd-window', 'fsdp1-ga-uneven-tsgd-window',
     'fsdp2-tga-text-adam', 'fsdp1-tga-text-adamw', 'fsdp2-tga-text-sgd-window', 'fsdp1-tga-text-tsgd-window',
-    'fsdp2-gas-uneven-sgd', 'fsdp1-gas-uneven-tsgd-window',
+    'fsdp2-gas-uneven-sgd', 'fsdp1-gas-uneven-tsgd-window', 'fsdp2-ga-buckets-sgd', 'fsdp1-ga-buckets-adamw-window',
     'fsdp2-mb-uneven-sgd', 'fsdp2-mb10-uneven-adam-window', 'fsdp1-mb-uneven-tsgd', 'fsdp1-mb10-uneven-adamw-window',
     'fsdp2-mb10-uneven-sgd', 'fsdp1-mb10-uneven-tsgd',
     'fsdp2-mb4-tiny-sgd', 'fsdp1-mb4-tiny-tsgd-window', 'fsdp2-tmb-text-adam', 'fsdp1-tmb-text-tsgd-window',
@@ -195,6 +196,9 @@ def my_samples(data:str, rank:int, world:int)->tuple[list,list]:
         from fastxtend_accum.test_utils import text_samples
         s = text_samples(300 + 32)
         trn,val = s[:300],s[300:]
+    elif data == 'buckets':
+        trn,val = digits_split()
+        return trn[128*rank:128*(rank+1)],val
     else: trn,val = digits_split(DATA[data]['n'])
     return [trn[i] for i in shards(world=world, **DATA[data])[rank]],val
 
@@ -207,6 +211,9 @@ def learner(spec:dict, rank:int, world:int, cbs):
         import fastai.distributed as fd
         trn,val = digits_split(300)
         tdl = fd.DistributedDL(FastaiDataLoader(trn, bs=bs, device='cpu'), rank, world)
+    elif spec['data'] == 'buckets': # a PyTorch loader whose batch sampler gives different sizes on each process
+        trn,val = my_samples('buckets', rank, world)
+        tdl = torch.utils.data.DataLoader(trn, batch_sampler=bucket_batches(rank, start=-128*rank))
     else:
         trn,val = my_samples(spec['data'], rank, world)
         tdl = FastaiDataLoader(trn, bs=bs, device='cpu', **(dict(create_batch=pad_batch) if text else {}))

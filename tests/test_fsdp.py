@@ -76,6 +76,7 @@ def reference(case:str, ranks:list)->Learner:
 def expected_steps(case:str, world:int)->list[list[int]]|None:
     "Samples each process holds in each step, from the data split and the callback's sizes (None: not pinned here)"
     spec = W.parse(case)
+    if spec['data'] == 'buckets': return [[96, 32]*W.N_EPOCH, [48, 80]*W.N_EPOCH] # micro-batches 0-5, then 6-7, of each process
     per = [len(s) for s in W.shards(world=world, **W.DATA[spec['data']])]
     window = dict(ga=W.ACCUM_BS, mb=W.ACCUM_BS, mb10=W.ACCUM_BS, mb4=W.ACCUM_BS, tga=W.TEXT_ACCUM_BS, tmb=W.TEXT_ACCUM_BS).get(spec['algo'])
     if window is None: return None
