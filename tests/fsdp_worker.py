@@ -53,7 +53,8 @@ CASES = [ # 2 processes
     # DDP: MicroBatching counts over the processes too ('window': one all-reduce a batch; 'micro_batch': as many backwards)
     'ddp-mb10-uneven-sgd', 'ddp-mb10-uneven-sgd-micro_batch', 'ddp-tmb-text-adam',
     # what each process correcting by its own counts gives (the library before the counts were summed): measurably off
-    'fsdp2-ga-uneven-sgd-local', 'fsdp1-ga-uneven-tsgd-local', 'fsdp2-tga-text-sgd-local', 'fsdp2-mb-uneven-sgd-local',
+    'fsdp2-ga-uneven-sgd-local', 'fsdp2-ga-uneven-adam-local', 'fsdp2-ga-uneven-adamw-local', 'fsdp1-ga-uneven-tsgd-local',
+    'fsdp2-tga-text-sgd-local', 'fsdp1-tga-text-adamw-local', 'fsdp2-mb-uneven-sgd-local',
     'ddp-mb-uneven-sgd-local',
     # errors, raised on every process within seconds, instead of a hang or gloo's abort
     'fsdp2-ga-mismatch-sgd', 'fsdp1-ga-mismatch-tsgd', 'fsdp2-mb-fewer-sgd', 'fsdp2-mb-uneven-sgd-search']
