@@ -1,7 +1,7 @@
 """Run every benchmark in `bench/` and gather the results: `results/*.json`, `results/README.md`, the plots.
 
-Runs `overhead.py` and `memory.py`, then `distributed.py` where it exists and `microbatch_gpu.py` where it exists and CUDA
-is available, each in its own process (`--quick` is passed on to those that take it). Then writes `results/README.md`
+Runs `overhead.py` and `memory.py`, then `distributed.py` and `sharded.py` where they exist and `microbatch_gpu.py` where it
+exists and CUDA is available, each in its own process (`--quick` is passed on to those that take it). Then writes `results/README.md`
 (the machine, a summary of the targets, each benchmark's table) and `results/overhead.png`, `results/memory.png`;
 `results/runs.json` keeps the machine and the runs, so that `--no-run` rebuilds the README and plots from the JSON files."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import *
 
-SCRIPTS = ['overhead.py', 'memory.py', 'distributed.py', 'microbatch_gpu.py']
+SCRIPTS = ['overhead.py', 'memory.py', 'distributed.py', 'sharded.py', 'microbatch_gpu.py']
 NEEDS_CUDA = {'microbatch_gpu.py'}
 
 def takes(script:Path, flag:str)->bool: return f"'{flag}'" in script.read_text() or f'"{flag}"' in script.read_text()
@@ -52,7 +52,8 @@ def summary_rows(results:dict)->list[list]:
             if not isinstance(m, dict): continue
             for r in m.get('ratios', []):
                 if r.get('target') is None: continue
-                rows.append([name, key, f"{r['variant']} / {r['reference']}", f"{r['median']:.3f}",
+                what = f"{r['measure'].replace('_', ' ')}: " if r.get('measure') else '' # a benchmark that compares several measures
+                rows.append([name, key, f"{what}{r['variant']} / {r['reference']}", f"{r['median']:.3f}",
                              f"[{r['min']:.3f}, {r['max']:.3f}]", f"<= {r['target']:.2f}", 'met' if r['met'] else '**not met**'])
     return rows
 

@@ -45,6 +45,7 @@ class WindowSync:
     """One process: the interface the window logic talks to, whatever the engine, with nothing to communicate.
     Collectives per window: none."""
     world_size,rank,sharded = 1,0,False
+    lockstep = False # whether every process must run as many forwards and backwards as the others (see `ProcessGroupSync`)
     def __init__(self, model:nn.Module|None=None, # The model as the Learner holds it (wrapped, if it is)
                  grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': the engine's default
                 ):
@@ -69,7 +70,12 @@ class WindowSync:
         for i,o in enumerate(vals): v[i] = o
         self._all_reduce(v)
         return v
-    def _all_reduce(self, v:Tensor): pass
+    def max(self, *vals:int)->list[int]:
+        "`vals` (integers), each the largest over the processes"
+        v = torch.tensor(vals, dtype=torch.int64, device=getattr(self, 'device', None))
+        self._all_reduce(v, 'MAX')
+        return v.tolist()
+    def _all_reduce(self, v:Tensor, op:str='SUM'): pass
 
     def totals(self, items, samples, loss)->tuple:
         "The window's items, samples and loss over all processes (one process: its own, as they are)"
@@ -79,7 +85,7 @@ class WindowSync:
         "Items expected in a window of `window_bs` samples: $\\rho$ for counts other than samples, from the window's first micro-batch"
         return (items*window_bs/samples).clamp(min=1)
 
-    def check_windows(self, plan, n_iter:int, read_ahead:bool)->tuple:
+    def check_windows(self, plan, n_iter:int, read_ahead:bool, unit:str='micro-batches')->tuple:
         "The plan the epoch's windows follow, and whether windows close on a count summed over processes (one process: never)"
         return plan,False
 
@@ -93,7 +99,10 @@ def _reduce_device(group)->torch.device:
 class ProcessGroupSync(WindowSync):
     """What every engine over several processes shares: a window's counts and loss summed over the processes (one
     all-reduce of 3 float64 numbers per window), a reference count $\\rho$ the same on every process, and a check, once per
-    epoch, that the processes' windows line up (one all-reduce of 2 integers per process) before any collective could differ"""
+    epoch, that the processes' windows line up (one all-reduce of 2 integers per process) before any collective could differ.
+    `lockstep`: the engine communicates in every forward or backward (FSDP's all-gathers, say), so every process must run
+    as many micro-batches as the others in each window, or they would wait for each other forever (`MicroBatching` agrees
+    on its number of micro-batches with `max`: one all-reduce of one integer per batch)"""
     def __init__(self, model:nn.Module, # The model, wrapped by its engine
                  grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': the engine's default
                  group=None, # The processes the counts are summed over (None: all)
@@ -103,7 +112,7 @@ class ProcessGroupSync(WindowSync):
         self.world_size,self.rank = dist.get_world_size(group),dist.get_rank(group)
         self._ctx = None
 
-    def _all_reduce(self, v:Tensor): dist.all_reduce(v, group=self.group)
+    def _all_reduce(self, v:Tensor, op:str='SUM'): dist.all_reduce(v, op=getattr(dist.ReduceOp, op), group=self.group)
 
     def totals(self, items, samples, loss)->tuple:
         "The window's items, samples and loss summed over the processes: one small all-reduce per step; the next window's $\\rho$ follows"
@@ -118,15 +127,15 @@ class ProcessGroupSync(WindowSync):
             self.items_per_sample = c/n
         return (self.items_per_sample*window_bs).clamp(min=1)
 
-    def check_windows(self, plan, n_iter:int, read_ahead:bool)->tuple:
-        "The plan, if the processes' plans agree (`None` if not); raise, rather than hang, when their micro-batch counts differ"
+    def check_windows(self, plan, n_iter:int, read_ahead:bool, unit:str='micro-batches')->tuple:
+        "The plan, if the processes' plans agree (`None` if not); raise, rather than hang, when their counts of `unit` differ"
         key = (-1,) if plan is None else (-1 if plan.drop_from is None else plan.drop_from, *plan.starts)
         v = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
         v[0,self.rank],v[1,self.rank] = n_iter,hash(key) % 2**62 # tuples of ints hash the same in every process
         dist.all_reduce(v, group=self.group) # every process's micro-batch count and plan, in one small all-reduce
         counts,plans = v.tolist()
         if len(set(counts)) > 1:
-            raise RuntimeError("The processes' training loaders give different numbers of micro-batches, so their windows cannot "
+            raise RuntimeError(f"The processes' training loaders give different numbers of {unit}, so their windows cannot "
                                f"close together and {self.engine} would wait forever: " +
                                ', '.join(f'process {r} has {n}' for r,n in enumerate(counts)) +
                                "; share the samples out evenly, e.g. with fastai's DistributedDL or PyTorch's DistributedSampler")
@@ -158,6 +167,11 @@ class DDPSync(ProcessGroupSync):
                  grad_sync:str='auto', # 'window' (= 'auto') or 'micro_batch'
                 ): super().__init__(ddp, grad_sync, ddp.process_group)
 
+    @property
+    def lockstep(self)->bool:
+        "With 'micro_batch' every backward all-reduces: every process must run as many as the others"
+        return self.grad_sync == 'micro_batch'
+
     def before_forward(self, closes:bool):
         "Skip DDP's all-reduce in the coming backward unless it `closes` the window"
         # DDP decides at the forward whether the backward all-reduces: `no_sync` must be entered before it
@@ -186,7 +200,7 @@ class FSDP1Sync(ProcessGroupSync):
     `no_sync()`, holding the unsharded gradient until the window's last backward reduce-scatters it.
     Collectives per window: one reduce-scatter per FSDP unit per backward (every micro-batch, or once with 'window'),
     plus `ProcessGroupSync`'s 3-number all-reduce"""
-    sharded = True
+    sharded = lockstep = True # every forward all-gathers the parameters
     def __init__(self, fsdp:nn.Module, # The model, wrapped in FullyShardedDataParallel
                  grad_sync:str='auto', # 'micro_batch' (= 'auto') or 'window'
                 ):
@@ -206,7 +220,7 @@ class FSDP2Sync(ProcessGroupSync):
     held); 'micro_batch' communicates in every backward.
     Collectives per window: one reduce-scatter per FSDP module per backward (once with 'window'), on HSDP one all-reduce
     per module per window ('auto', 'window') or per backward ('micro_batch'), plus `ProcessGroupSync`'s 3-number all-reduce"""
-    sharded = True
+    sharded = lockstep = True # every forward all-gathers the parameters
     def __init__(self, model:nn.Module, # The model, its root sharded with fully_shard
                  grad_sync:str='auto', # 'auto', 'micro_batch' or 'window'
                 ):

@@ -101,3 +101,28 @@ def test_run_builds_readme_and_plots(runs):
     for s in ('# Benchmarks', '**Machine:**', 'torch ', 'fastai ', '## Targets', '## Overhead', '## Memory', '![overhead](overhead.png)'):
         assert s in readme, s
     for png in ('overhead.png', 'memory.png'): assert (out/png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+def test_sharded_quick(tmp_path):
+    """`bench/sharded.py --quick` (torchrun, 2 processes): DDP, FSDP2 and FSDP1 with both `grad_sync` choices side by side.
+    Counts and bytes, not timings, so they are asserted: 'micro_batch' holds half of DDP's gradient, 'window' reduces the
+    gradient once per window (DDP's bytes; 1/k of 'micro_batch''s)"""
+    p = subprocess.run([sys.executable, str(BENCH/'sharded.py'), '--quick', '--out', str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS='ignore'))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = ratio_lines(p.stdout)
+    for measure,variant,ref in [('peak gradient bytes per process', "FSDP2 'micro_batch'", 'DDP'),
+                                ('gradient bytes reduced per window', "FSDP2 'window'", "FSDP2 'micro_batch'"),
+                                ('time per step', "FSDP2 'micro_batch'", 'DDP')]:
+        assert sum(l.startswith(f'RATIO {measure}: {variant} / {ref} = ') for l in lines) == 1, '\n'.join(lines)
+    data = json.loads((tmp_path/'sharded.json').read_text())
+    assert (tmp_path/'sharded.md').read_text().startswith('## Sharded')
+    v,k = data['variants'],data['micro_batches_per_window']
+    full = v['DDP']['peak_grad_bytes'][0]
+    assert k == 8 and full == 4*data['n_params'] # DDP holds the whole float32 gradient
+    for e in ('FSDP2', 'FSDP1'):
+        mb,win = v[f"{e} 'micro_batch'"],v[f"{e} 'window'"]
+        assert all(b == full//2 for b in mb['peak_grad_bytes']) and all(b == full for b in win['peak_grad_bytes'])
+        assert mb['reduce_scatters'] == k*win['reduce_scatters'] == k*(data['config']['layers'] + 1) # one per Linear
+        assert mb['grad_bytes_reduced'] == k*win['grad_bytes_reduced'] == k*full
+        assert win['max_param_diff_vs_ddp'] < 1e-6 and mb['max_param_diff_vs_ddp'] < 1e-6
+    assert all(r['met'] for r in data['models']['mlp']['ratios'] if r['target'] is not None)

@@ -87,7 +87,8 @@ class RowStates:
         c = _fastai_text('AWD_LSTM')
         awd = [] if c is None else [m for m in model.modules() if isinstance(m, c)]
         inside = {id(o) for m in awd for o in m.modules()}
-        passes = tuple(c for c in map(_fastai_text, ('SequentialRNN', 'SentenceEncoder')) if c is not None) # `reset` goes to children
+        # `reset` goes to children: fastai's text containers, and DDP (which `fastai.distributed` gives a `reset`)
+        passes = tuple(c for c in map(_fastai_text, ('SequentialRNN', 'SentenceEncoder')) if c is not None) + (nn.parallel.DistributedDataParallel,)
         other = [m for m in model.modules() if callable(getattr(m, 'reset', None)) and id(m) not in inside and not isinstance(m, passes)]
         if other: raise ValueError(f"MicroBatching cannot split the batch of a model whose {type(other[0]).__name__} has `reset`: "
             "it carries a state from batch to batch, row by row, that MicroBatching only knows how to split for fastai's AWD_LSTM. "
@@ -153,7 +154,7 @@ class MicroBatching(Callback):
         check_one_accumulation(self) # another MicroBatching, or a GradientAccumulation (this library's or fastai's)
         self._install()
         self.limit = self.micro_bs if isinstance(self.micro_bs, int) else None # largest micro-batch; `None`: the whole batch
-        self.chosen_micro_bs,self.ref_bs,self.ooms,self.throughput = None,None,[],{}
+        self.chosen_micro_bs,self.ref_bs,self.ooms,self.throughput,self.rho = None,None,[],{},None
         self._cands,self._warm,self._reported,self._warned,self._awd = None,False,None,False,None
 
     def before_train(self):
@@ -163,6 +164,10 @@ class MicroBatching(Callback):
         if self.sync.sharded and not isinstance(self.micro_bs, int): # an OOM mid-forward would leave the others in an all-gather
             raise ValueError(f"MicroBatching(micro_bs={self.micro_bs!r}) cannot search for a size on a sharded model "
                              f"({type(self.learn.model).__name__}): pass the micro-batch size, e.g. `micro_bs=8`")
+        if self.sync.world_size > 1: # a process with more batches than the others would step alone, and wait forever
+            try: n = len(self.dl)
+            except TypeError: n = None # a loader that cannot tell: its batches are counted as they come
+            if n is not None: self.sync.check_windows(None, n, False, unit='batches')
 
     def after_fit(self):
         "Give fastai's `_do_one_batch` back"
@@ -185,7 +190,7 @@ class MicroBatching(Callback):
         if timed: t0 = self._now()
         had_oom,self._autocast_open = False,self._mp is not None # `MixedPrecision.before_batch` opened autocast
         while True:
-            sizes = split_sizes(n, self.limit or n)
+            sizes = self._split(n)
             try: res = self._micro_batches(xb, yb, sizes)
             except torch.OutOfMemoryError:
                 if isinstance(self.micro_bs, int): self._abandon(); raise # a size the user chose: their error to see
@@ -201,30 +206,61 @@ class MicroBatching(Callback):
         learn.pred = (preds[0] if len(preds) == 1 else to_concat(preds)) if self.keep_pred else None
         try:
             if self._manual_sync: self.sync.reduce_by_hand()
+            self._over_processes(n)
             learn._with_events(learn._step, 'step', CancelStepException)
         except BaseException: self._zero_grads(); raise # interrupted in `before_step`/`after_step`: no gradient outlives the batch
         learn.opt.zero_grad()
         self._settled(n, sizes, self._now()-t0 if timed and not had_oom else None)
 
+    def _split(self, n:int)->list[int]:
+        "Micro-batch sizes for a batch of `n`: the fewest that fit; as many on every process where the engine needs it"
+        sizes = split_sizes(n, self.limit or n)
+        if self.sync.lockstep and not self._manual_sync: # every micro-batch communicates: the processes agree on their number
+            k = self.sync.max(len(sizes))[0] # a process with fewer samples than that runs stand-ins of weight 0 (size 0 here)
+            if k != len(sizes): sizes = [n//k + (i < n%k) for i in range(k)]
+        return sizes
+
     def _micro_batches(self, xb, yb, sizes):
-        "Forward and backward each micro-batch with the weight items_i/items of the batch; the predictions and the batch's loss"
+        "Forward and backward each micro-batch with the weight items_i/rho; the predictions and the batch's loss"
         learn,n,k = self.learn,sum(sizes),len(sizes)
-        mbs = [(slice_batch(xb, a, b, n), slice_batch(yb, a, b, n)) for a,b in zip(accumulate([0]+sizes[:-1]), accumulate(sizes))]
-        counts = self._counts(mbs, sizes) if k > 1 else [None]
-        total = sum(counts) if k > 1 else None
+        # a micro-batch of size 0 (under an engine that needs as many on every process) runs the batch's first sample, weight 0
+        mbs = [(slice_batch(xb, a, b, n), slice_batch(yb, a, b, n)) if b > a else (slice_batch(xb, 0, 1, n), slice_batch(yb, 0, 1, n))
+               for a,b in zip(accumulate([0]+sizes[:-1]), accumulate(sizes))]
+        weighted = k > 1 or self.sync.world_size > 1 # one process, one micro-batch: fastai's loss as it is
+        counts = self._counts(mbs, sizes) if weighted else [None]
+        self._items = sum(counts) if weighted else None
+        self._rho = self._ref(self._items) if weighted else None
         if k > 1: self._check_bn()
         rows = self._row_states(n) if k > 1 else None # a recurrent model's state, handed to each micro-batch's rows
-        try: return self._run_micro_batches(mbs, sizes, counts, total, rows)
+        try: return self._run_micro_batches(mbs, sizes, counts, rows)
         except BaseException:
             if rows is not None: rows.restore() # a retry starts from the state the batch started from
             raise
 
-    def _run_micro_batches(self, mbs, sizes, counts, total, rows):
+    def _ref(self, items)->float:
+        "rho, what the micro-batches' weights c_i/rho divide by: the batch's items on one process; the same on every process"
+        if self.sync.world_size == 1: return items # the weights c_i/C: nothing to correct at the step
+        if self.rho is None: self.rho = self.sync.sum(items)[0].item()/self.sync.world_size # the fit's first batch
+        return max(self.rho, 1.) # the previous batch's items per process, summed over processes (`_over_processes`)
+
+    def _over_processes(self, n:int):
+        "Several processes: the batch's loss over all of them, and the engine's average of the gradients made their exact mean"
+        sync,learn = self.sync,self.learn
+        if sync.world_size == 1: return
+        c,_,l = sync.totals(self._items, n, self._loss_sum) # one all-reduce of 3 numbers per batch
+        c = c.item()
+        self.rho = c/sync.world_size # the next batch's rho: the same on every process
+        learn.loss = (l/c).to(learn.loss) # the loss of the global batch (every process's samples)
+        # sum_r sum_i (c_ri/rho) grad_ri, averaged over R processes by the engine, times R*rho/C: sum_r sum_i (c_ri/C) grad_ri
+        f = sync.world_size*self._rho/max(c, 1.) # a batch of padding only has zero gradients anyway
+        if f != 1: torch._foreach_mul_([p.grad for p in learn.model.parameters() if p.grad is not None], f)
+
+    def _run_micro_batches(self, mbs, sizes, counts, rows):
         learn,n,k = self.learn,sum(sizes),len(sizes)
-        preds,loss_sum = [],None
+        preds,loss_sum,rho = [],None,self._rho
         for i,((mxb,myb),c) in enumerate(zip(mbs, counts)):
             learn.xb,learn.yb = mxb,myb # callbacks see the micro-batch they act on
-            if rows is not None: rows.enter(sum(sizes[:i]), sum(sizes[:i+1]))
+            if rows is not None: rows.enter(*((sum(sizes[:i]), sum(sizes[:i+1])) if sizes[i] else (0, 1)))
             with self.sync.micro_batch(closes=i == k-1 and not self._manual_sync):
                 if self._mp is not None and not self._autocast_open: self._mp.autocast.__enter__(); self._autocast_open = True
                 learn.pred = learn.model(*learn.xb)
@@ -233,16 +269,18 @@ class MicroBatching(Callback):
                 learn.loss = learn.loss_grad.clone()
                 learn('after_loss') # `MixedPrecision.after_loss` closes autocast
                 self._autocast_open = False
-                # the exact weight, c_i/C: the mean gradients of the micro-batches add up to the mean gradient of the batch
-                if k > 1: learn.loss_grad = learn.loss_grad*(c/total) if c else _zero_loss(learn.pred)
+                # the weight c_i/rho: the mean gradients of the micro-batches add up to rho/C times the mean gradient of the batch
+                # (one process: rho = C; several: `_over_processes` corrects by R*rho/C once the processes' C is summed)
+                if rho is not None: learn.loss_grad = learn.loss_grad*(c/rho) if c else _zero_loss(learn.pred)
                 if learn.loss_grad is not None: learn._with_events(learn._backward, 'backward', CancelBackwardException)
-            if k > 1 and c: loss_sum = (0 if loss_sum is None else loss_sum) + learn.loss.detach()*c
-            if self.keep_pred: preds.append(to_detach(learn.pred, cpu=False, gather=False))
-            if rows is not None: rows.leave()
+            if rho is not None and c: loss_sum = (0 if loss_sum is None else loss_sum) + learn.loss.detach()*c
+            if self.keep_pred and sizes[i]: preds.append(to_detach(learn.pred, cpu=False, gather=False))
+            if rows is not None and sizes[i]: rows.leave()
             if i < k-1: learn.pred = learn.loss_grad = None # free this micro-batch's output before the next forward
         if rows is not None: rows.carry_on() # the whole batch's state, row by row, for the next batch
-        if k == 1: return preds,learn.loss
-        return preds,(torch.zeros_like(learn.loss.detach()) if loss_sum is None else loss_sum/total)
+        self._loss_sum = 0. if loss_sum is None else loss_sum
+        if rho is None: return preds,learn.loss
+        return preds,(torch.zeros_like(learn.loss.detach()) if loss_sum is None else loss_sum/self._items)
 
     def _row_states(self, n:int)->RowStates|None:
         "The model's recurrent state, row by row, for a batch split in micro-batches: its modules are scanned once a fit"
@@ -253,7 +291,7 @@ class MicroBatching(Callback):
         "Items in each micro-batch (one device sync for counts other than samples: the weights need their sum up front)"
         if isinstance(self.counter, SampleCount): return sizes
         cs = [check_count(self.normalize_by, self.counter(mxb, myb)) for mxb,myb in mbs]
-        cs = torch.stack([c.to(cs[0].device) for c in cs]).tolist()
+        cs = [c if s else 0. for c,s in zip(torch.stack([c.to(cs[0].device) for c in cs]).tolist(), sizes)] # a stand-in counts 0
         check_counts(self.normalize_by, torch.tensor(min(cs), dtype=torch.float64), torch.tensor(sum(cs), dtype=torch.float64))
         return cs
 
