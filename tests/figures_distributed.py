@@ -6,7 +6,9 @@
 - a fit resumed with `start_epoch`, with and without the training loader's shuffle state restored.
 Each case is launched on its own, so that one that fails says so and the others still print. Not a test (pytest does not
 collect it): `PYTHONPATH=. .venv-nbdev/bin/python tests/figures_distributed.py` from the repository's root; `--only`
-picks some of: torchrun, accelerate, notebook, unknown, resume."""
+picks some of: torchrun, accelerate, notebook, unknown, resume (and `--cases` the torchrun cases). The figures before a
+change: the same command with PYTHONPATH at an older library, e.g. `git archive <commit> fastxtend_accum | tar -x -C DIR`
+with this checkout's `fastxtend_accum/test_utils.py` copied in (the helpers the comparison uses)."""
 import argparse, os, sys, tempfile, subprocess
 from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -16,7 +18,11 @@ from test_distributed import _nbclient
 def show(how, case, res):
     r0,r1 = res
     n_mid = sum('mid-window' in w for w in r0['warnings'])
-    if case == 'uneven_drop': return print(f'{how:<17} {case:<14} {r0["n_steps"]} steps, "stopped mid-window" warnings on rank 0: {n_mid}')
+    if case == 'uneven_drop':
+        ref = uneven_drop_reference()
+        d = max_diff(r0['params'], [p.detach() for p in ref.model.parameters()])
+        return print(f'{how:<17} {case:<14} {r0["n_steps"]} steps (one process on the global batches: {len(ref.recorder.losses)}); '
+                     f'max |param diff| {d:.2g}; "stopped mid-window" warnings on rank 0: {n_mid}')
     lr,mom,d,ref = compare_with_twin(r0, r1, case)
     print(f'{how:<17} {case:<14} {r0["n_steps"]} steps (one process on the global windows: {ref["n_steps"]}); max |lr diff| '
           f'{lr:.2g} (peak lr 1e-2), max |mom diff| {mom:.2g}, max |param diff| {d:.2g}; "stopped mid-window" warnings on rank 0: {n_mid}')
@@ -75,9 +81,11 @@ def resume():
 if __name__ == '__main__':
     ap = argparse.ArgumentParser()
     ap.add_argument('--only', default='torchrun,accelerate,notebook,unknown,resume')
-    only = ap.parse_args().only.split(',')
+    ap.add_argument('--cases', default=','.join([*W.DEFAULTS, *W.SAMPLERS, 'uneven_drop']), help='the torchrun cases')
+    args = ap.parse_args()
+    only = args.only.split(',')
     torch.set_num_threads(1)
-    if 'torchrun' in only: launched('torchrun', torchrun, [*W.DEFAULTS, *W.SAMPLERS, 'uneven_drop'])
+    if 'torchrun' in only: launched('torchrun', torchrun, args.cases.split(','))
     if 'accelerate' in only: launched('accelerate launch', accelerate, list(W.DEFAULTS))
     if 'notebook' in only: notebook()
     if 'unknown' in only: unknown()

@@ -286,16 +286,21 @@ def test_default_loaders_match_one_process(runs, case):
     for r in (r0, r1): # no window dropped mid-way, and the schedule counted in optimizer steps
         assert not [w for w in r['warnings'] if 'mid-window' in w or 'not known ahead' in w], r['warnings']
 
+def uneven_drop_reference():
+    "One process on the global batches of the `uneven_drop` case, dropping the short last one"
+    trn,val = W.digits_split(W.UNEVEN_DROP['n'])
+    order = global_order([list(s) for s in W.shards(**W.UNEVEN_DROP)], W.ACCUM_BS)
+    ref = W.digits_learner_on([trn[i] for i in order], val, 2*W.ACCUM_BS, drop_last=True)
+    with ref.no_logging(), ref.no_bar(): ref.fit(W.N_EPOCH)
+    return ref
+
 def test_uneven_last_windows_dropped_on_every_process(runs):
     """Loaders of 192 and 180 samples with `drop_last=True`: process 0's last window is full, process 1's short, so their
     plans differ and they close windows on the global count; the global last window (116 of 128 samples) is short, and
     both processes drop it, as the large batch's loader would"""
     res,_ = runs
     r0,r1 = res['uneven_drop']
-    trn,val = W.digits_split(W.UNEVEN_DROP['n'])
-    order = global_order([list(s) for s in W.shards(**W.UNEVEN_DROP)], W.ACCUM_BS)
-    ref = W.digits_learner_on([trn[i] for i in order], val, 2*W.ACCUM_BS, drop_last=True)
-    with ref.no_logging(), ref.no_bar(): ref.fit(W.N_EPOCH)
+    ref = uneven_drop_reference()
     d = max_diff(r0['params'], [p.detach() for p in ref.model.parameters()])
     print(f'uneven_drop: max |param diff| vs one process on the global batches {d:.3g}')
     assert d < 1e-8
