@@ -13,18 +13,23 @@ except ImportError: FSDPModule = FullyShardedDataParallel = None # a PyTorch wit
 from fastai.data.load import DataLoader as FastaiDataLoader
 
 # %% auto #0
-__all__ = ['GRAD_SYNCS', 'samples_per_process', 'default_world_size', 'check_grad_sync', 'WindowSync', 'ProcessGroupSync',
-           'DDPSync', 'FSDP1Sync', 'FSDP2Sync', 'window_sync']
+__all__ = ['GRAD_SYNCS', 'split_loader', 'samples_per_process', 'default_world_size', 'check_grad_sync', 'WindowSync',
+           'ProcessGroupSync', 'DDPSync', 'FSDP1Sync', 'FSDP2Sync', 'window_sync']
 
 # %% ../nbs/distributed.ipynb #93c672cd
+def split_loader(dl, # A training loader
+                )->FastaiDataLoader|None:
+    "The loader that fastai's `DistributedDL` `dl` shares out among the processes (`None` for any other loader)"
+    inner,ws = getattr(dl, 'dl', None),getattr(dl, 'world_size', None)
+    return inner if isinstance(inner, FastaiDataLoader) and isinstance(ws, int) and ws > 0 else None
+
 def samples_per_process(dl, # A training loader
                        )->int|None:
     "Samples a fastai loader yields per epoch in this process: for fastai's `DistributedDL`, this process's share"
-    inner,ws = getattr(dl, 'dl', None),getattr(dl, 'world_size', None)
     # `DistributedDL` wraps the whole loader, pads its sample order to a multiple of the world size and hands each process
     # an equal slice; it learns its own `n` only once it iterates (and then holds the global one)
-    if isinstance(inner, FastaiDataLoader) and isinstance(ws, int) and ws > 0: return -(-inner.n//ws)
-    return getattr(dl, 'n', None)
+    inner = split_loader(dl)
+    return getattr(dl, 'n', None) if inner is None else -(-inner.n//dl.world_size)
 
 # %% ../nbs/distributed.ipynb #a7c1f0e2
 def default_world_size()->int:

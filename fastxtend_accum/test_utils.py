@@ -13,7 +13,8 @@ import torch.nn.functional as F
 # %% auto #0
 __all__ = ['PAD', 'IGNORE', 'VOCAB', 'digits_data', 'Samples', 'digits_dls', 'digits_mlp', 'Float64SmoothLoss', 'digits_learner',
            'max_param_diff', 'encode', 'text_lines', 'text_samples', 'pad_batch', 'text_dl', 'text_dls', 'CharGRU',
-           'token_loss', 'text_learner', 'fit_digits', 'plot_runs', 'runs_table']
+           'token_loss', 'text_learner', 'fit_digits', 'plot_runs', 'runs_table', 'digits_default_dls',
+           'TrainingRecord', 'global_order', 'Replay']
 
 # %% ../nbs/test_utils.ipynb #59e9c98b
 def digits_data(dtype=torch.float64):
@@ -236,3 +237,73 @@ def runs_table(runs:dict, # {name: learner}, the reference first
         trn,val,acc = learn.recorder.values[-1]
         rows.append(f"{name:<44}{len(learn.recorder.losses):>6}{trn:>12.6f}{val:>12.6f}{acc:>10.4f}{max_param_diff(ref, learn):>18.3e}")
     return '\n'.join(rows)
+
+# %% ../nbs/test_utils.ipynb #c00e69ca
+def digits_default_dls(bs:int, # Micro-batch size of the training loader
+                       n_train:int=1500, # Training samples (the rest of the 1,797 are the validation set)
+                       seed:int=0, # Seed set first: the loaders shuffle the same in every process
+                       dtype=torch.float64, # Dtype of the pixels
+                      )->DataLoaders:
+    "fastai's default `DataLoaders` over digits (`DataLoaders.from_dsets`): the training loader shuffles and drops its short last batch"
+    x,y = digits_data(dtype)
+    set_seed(seed) # a fastai loader seeds its own `random.Random` from `random` when it is built
+    return DataLoaders.from_dsets(Samples(zip(x[:n_train],y[:n_train])), Samples(zip(x[n_train:],y[n_train:])), bs=bs, device='cpu')
+
+# %% ../nbs/test_utils.ipynb #f64333c3
+class TrainingRecord(Callback):
+    "Record the optimizer's hyper-parameters at every step (`hps`) and the sample indices the training loader hands this process each epoch (`orders`)"
+    order = 90 # after the callbacks that wrap the loader (fastai's `DistributedTrainer`) or set hyper-parameters
+    def before_fit(self):
+        "Start the records"
+        self.hps,self.orders,self._dl = [],[],None
+    def before_train(self):
+        "Catch the epoch's sample order: a fastai loader's `get_idxs` (`DistributedDL`: this process's slice), or a `DistributedSampler`'s"
+        dl = self.learn.dl
+        if isinstance(dl, FastaiDataLoader):
+            self._dl,self._own,get = dl,dl.__dict__.get('get_idxs'),dl.get_idxs
+            def get_idxs():
+                idxs = list(get())
+                self.orders.append(idxs)
+                return idxs
+            dl.get_idxs = get_idxs
+        elif isinstance(getattr(dl, 'sampler', None), torch.utils.data.DistributedSampler):
+            self.orders.append(list(dl.sampler)) # drawn from its seed and epoch: the loader draws the same
+    def after_train(self):
+        "Give the loader its own `get_idxs` back"
+        if self._dl is None: return
+        if self._own is None: del self._dl.get_idxs
+        else: self._dl.get_idxs = self._own
+        self._dl = None
+    def before_step(self):
+        "The step's hyper-parameters (those of the last parameter group), as plain numbers"
+        self.hps.append({k: v.item() if isinstance(v, (np.generic, Tensor)) else v for k,v in self.opt.hypers[-1].items()})
+
+# %% ../nbs/test_utils.ipynb #8a61d99d
+def global_order(orders:list, # Each process's sample indices for one epoch, in its loader's order
+                 window:int, # Samples in a window, per process
+                 micro_bs:int|None=None, # Micro-batch size (with drop_last)
+                 drop_last:bool=False, # Each process's loader drops its short last micro-batch
+                )->list[int]:
+    "The epoch's samples in the order one process stepping on the global windows sees them: every process's window 0, then window 1..."
+    if drop_last: orders = [o[:len(o)//micro_bs*micro_bs] for o in orders]
+    chunks = [[o[i:i+window] for i in range(0, len(o), window)] for o in orders]
+    if len({len(c) for c in chunks}) > 1: raise ValueError(f"The processes hold different numbers of windows: {[len(c) for c in chunks]}")
+    return [i for w in zip(*chunks) for c in w for i in c]
+
+# %% ../nbs/test_utils.ipynb #ba866415
+class Replay(FastaiDataLoader):
+    "A training loader that hands out the sample orders it was given, one per epoch, in batches of `bs`: the twin's loader"
+    def __init__(self, dataset, # The samples the orders index
+                 orders:list, # One list of sample indices per epoch (all of the same length)
+                 bs:int, # Batch size
+                 drop_last:bool=False, # Drop the epoch's short last batch
+                 **kwargs):
+        lens = {len(o) for o in orders}
+        if len(lens) != 1: raise ValueError(f"Replay needs orders of one length, got {sorted(lens)}")
+        super().__init__(dataset, bs=bs, drop_last=drop_last, n=lens.pop(), device='cpu', **kwargs)
+        self.orders,self.i_epoch = list(orders),0
+    def get_idxs(self):
+        "The next epoch's order"
+        if self.i_epoch >= len(self.orders): raise IndexError(f"Replay holds {len(self.orders)} epochs' orders, and a fit asked for more")
+        self.i_epoch += 1
+        return list(self.orders[self.i_epoch-1])

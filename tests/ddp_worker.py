@@ -58,10 +58,11 @@ def digits_split(n_train=300, n_valid=64):
     trn,val = list(zip(x[:n_train], y[:n_train])),list(zip(x[-n_valid:], y[-n_valid:]))
     return trn,val
 
-def digits_learner_on(trn, val, bs, cbs=()):
+def digits_learner_on(trn, val, bs, cbs=(), drop_last=False):
     "A float64 digits `Learner` over the sample lists `trn` and `val`, with the weights of `digits_mlp(seed=0)`"
     from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
-    dls = DataLoaders(FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
+    dls = DataLoaders(FastaiDataLoader(trn, bs=bs, drop_last=drop_last, device='cpu'), FastaiDataLoader(val, bs=64, device='cpu'),
+                      device='cpu')
     return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1,
                    cbs=[Float64SmoothLoss()] + list(cbs))
 
@@ -126,9 +127,82 @@ def buckets_learner(rank, cbs, unsized=False, drift=False):
     from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
     return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss()] + list(cbs))
 
-CASES = ['samples', 'tokens', 'uneven', 'tokens_local', 'uneven_local', 'mismatch', 'buckets', 'buckets_unsized', 'drift']
+# fastai's defaults under `distrib_ctx`: `DataLoaders.from_dsets` (shuffled, dropping the short last batch), Adam and
+# `fit_one_cycle`, for each callback; `test_distributed.twin` builds one process on the same global windows
+ONE_CYCLE = dict(n_epoch=3, lr_max=1e-2)
+SCHED = (32, 96) # GradientAccumulationSchedule's window per process, from 32 to 96 samples over the first half of training
+
+def make_callback(kind:str, world:int=1):
+    "A fresh callback of `kind` ('ga', 'gas', 'micro') with windows `world` times those of one process of the runs here"
+    from fastxtend_accum.callback.all import GradientAccumulation, GradientAccumulationSchedule, MicroBatching
+    if kind == 'ga': return GradientAccumulation(ACCUM_BS*world)
+    if kind == 'gas': return GradientAccumulationSchedule(SCHED[0]*world, SCHED[1]*world, finish=0.5)
+    if kind == 'micro': return MicroBatching(MICRO_BS, verbose=False)
+    raise ValueError(kind)
+
+# case: (callback kind, the loader's batch size, per process); `None`: no accumulation
+DEFAULTS = {'default_ga': ('ga', MICRO_BS), 'default_gas': ('gas', MICRO_BS), 'default_micro': ('micro', ACCUM_BS)}
+# the twin: samples per process in each of its batches (a window, or for the schedule a micro-batch) and its callback
+TWINS = {'default_ga': (ACCUM_BS, None), 'default_gas': (MICRO_BS, 'gas'), 'default_micro': (ACCUM_BS, None)}
+
+def default_learner(bs:int, cbs=(), dls=None):
+    "A float64 digits `Learner` on fastai's default loaders (`digits_default_dls`), recording its steps and sample orders"
+    from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss, TrainingRecord
+    return Learner(digits_default_dls(bs) if dls is None else dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(),
+                   cbs=[Float64SmoothLoss(), TrainingRecord(), *cbs])
+
+def fit_recorded(learn, fit, cb=None):
+    "Run `fit(learn)` quietly, catching every warning; what the tests compare"
+    import warnings
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        with learn.no_logging(), learn.no_bar(): fit(learn)
+    rec,plan = learn.training_record,getattr(cb, 'plan', None)
+    return dict(params=[p.detach().clone() for p in learn.model.parameters()], hps=rec.hps, orders=rec.orders,
+                n_steps=len(rec.hps), warnings=[str(o.message) for o in w], plan=None if plan is None else plan.starts)
+
+def one_cycle(learn): learn.fit_one_cycle(ONE_CYCLE['n_epoch'], ONE_CYCLE['lr_max'])
+
+def run_default(case, out, rank):
+    "fastai's default loaders, `distrib_ctx(cpu=True)` and `fit_one_cycle`"
+    kind,bs = DEFAULTS[case]
+    cb = make_callback(kind)
+    learn = default_learner(bs, [cb])
+    def fit(learn):
+        with learn.distrib_ctx(cpu=True): one_cycle(learn)
+    torch.save(fit_recorded(learn, fit, cb), os.path.join(out, f'{case}-rank{rank}.pt'))
+
+# PyTorch's `DistributedSampler` on 1,499 samples (uneven: padded to 750 per process, or cut to 749) under a hand-built DDP
+SAMPLER_N = 1499
+SAMPLERS = {'sampler_pad': dict(sampler_drop=False, loader_drop=True), 'sampler_drop': dict(sampler_drop=True, loader_drop=False)}
+
+class SetEpoch(Callback):
+    "What a PyTorch loop does with a `DistributedSampler`: `set_epoch`, so that each epoch shuffles anew"
+    def before_train(self): self.dl.sampler.set_epoch(self.epoch)
+
+def sampler_dls(rank:int, sampler_drop:bool, loader_drop:bool, world:int=2):
+    "A PyTorch training loader of micro-batches of 16 over `SAMPLER_N` digits, with this process's `DistributedSampler`"
+    from fastxtend_accum.test_utils import digits_default_dls
+    dls = digits_default_dls(MICRO_BS, n_train=SAMPLER_N)
+    s = torch.utils.data.DistributedSampler(dls.train.dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=sampler_drop)
+    tdl = torch.utils.data.DataLoader(dls.train.dataset, batch_size=MICRO_BS, sampler=s, drop_last=loader_drop)
+    return DataLoaders(tdl, dls.valid, device='cpu')
+
+def run_sampler(case, out, rank):
+    cb = make_callback('ga')
+    learn = default_learner(MICRO_BS, [cb, SetEpoch(), DDPWrap()], dls=sampler_dls(rank, **SAMPLERS[case]))
+    torch.save(fit_recorded(learn, one_cycle, cb), os.path.join(out, f'{case}-rank{rank}.pt'))
+
+# per-process loaders of 192 and 180 samples (no shuffle) and `drop_last=True`: process 0's last window is full (64), process 1's
+# short (52): their plans differ, the global window of 116 is short, and both processes drop it, as the large batch would
+UNEVEN_DROP = dict(n=384, uneven=12)
+
+CASES = ['samples', 'tokens', 'uneven', 'tokens_local', 'uneven_local', 'mismatch', 'buckets', 'buckets_unsized', 'drift',
+         'uneven_drop', *DEFAULTS, *SAMPLERS]
 
 def run_case(case, out, rank):
+    if case in DEFAULTS: return run_default(case, out, rank)
+    if case in SAMPLERS: return run_sampler(case, out, rank)
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
     from fastxtend_accum.normalize import TokenCount
     count,base = CountAllReduce(),case.removesuffix('_local')
@@ -145,6 +219,17 @@ def run_case(case, out, rank):
         trn,val = digits_split(UNEVEN['n'])
         mine = [trn[i] for i in shards(**UNEVEN)[rank]]
         learn = digits_learner_on(mine, val, MICRO_BS, cbs=[ga, DDPWrap(), count])
+    elif base == 'uneven_drop':
+        import warnings
+        trn,val = digits_split(UNEVEN_DROP['n'])
+        mine = [trn[i] for i in shards(**UNEVEN_DROP)[rank]]
+        ga = GA(ACCUM_BS, drop_last=True)
+        learn = digits_learner_on(mine, val, MICRO_BS, cbs=[ga, DDPWrap(), count])
+        with warnings.catch_warnings(record=True) as w, learn.no_logging(), learn.no_bar():
+            warnings.simplefilter('always')
+            learn.fit(N_EPOCH)
+        return torch.save(dict(params=[p.detach().clone() for p in learn.model.parameters()], n_steps=ga.n_steps,
+                               n_allreduce=count.n, warnings=[str(o.message) for o in w]), os.path.join(out, f'{case}-rank{rank}.pt'))
     elif base in ('buckets', 'buckets_unsized'): # windows close where the global count reaches 2*64: micro-batches 0-5, then 6-7
         learn = buckets_learner(rank, [ga, DDPWrap(), count], unsized=base == 'buckets_unsized')
     elif base == 'drift': # both plans say [16]*8; process 1's loader then yields [8]*7+[72]: both processes raise, none hangs

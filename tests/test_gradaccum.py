@@ -97,6 +97,39 @@ def test_sizes_unknown_ahead():
         with learn.no_logging(), learn.no_bar(): learn.fit(2)
     assert_same_training(run(64), learn)
 
+def sizes_unknown_runs(kind:str)->tuple:
+    """fastai's own fit (`fit_one_cycle(2, 1e-2)`, SGD) on micro-batches of 16 from a batch sampler that cannot be read
+    ahead, and the same fit with `GradientAccumulation(64)` (`kind`='ga') or `GradientAccumulationSchedule(32, 96)`
+    ('gas'); the hyper-parameters fastai gives each window's first micro-batch, and those each window trained with"""
+    def fit(cbs):
+        learn = sampler_learner(Unmeasurable(torch.utils.data.SequentialSampler(range(N_TRAIN)), 16, False), [TrainingRecord(), *cbs])
+        with warnings.catch_warnings(), learn.no_logging(), learn.no_bar():
+            warnings.simplefilter('ignore')
+            learn.fit_one_cycle(2, 1e-2)
+        return learn
+    per_mb = fit([]).training_record.hps # fastai's hyper-parameters, micro-batch by micro-batch: 94 an epoch
+    cb = GradientAccumulation(64) if kind == 'ga' else GradientAccumulationSchedule(32, 96, finish=0.5)
+    accum = fit([cb])
+    assert cb.plan is None # the sizes were not known ahead
+    held = [64]*len(accum.training_record.hps) if kind == 'ga' else cb.accum_bss # samples each window held
+    firsts,epoch,i,n_mb = [],0,0,math.ceil(N_TRAIN/16)
+    for h in held: # the index in the fit of each window's first micro-batch: windows never span epochs
+        firsts.append(epoch*n_mb + i)
+        i += math.ceil(h/16)
+        if i >= n_mb: epoch,i = epoch+1,0
+    return [per_mb[j] for j in firsts],accum.training_record.hps
+
+@pytest.mark.parametrize('kind', ['ga', 'gas'])
+def test_sizes_unknown_ahead_follow_fastais_schedule(kind):
+    """Sizes not known ahead, with a schedule: training progress advances with every micro-batch, and each window trains with
+    the hyper-parameters fastai's own loop gives that window's first micro-batch, as the warning says"""
+    expected,got = sizes_unknown_runs(kind)
+    test_eq(len(got), len(expected))
+    for hp in ('lr', 'mom'):
+        d = max(abs(a[hp]-b[hp]) for a,b in zip(got, expected))
+        print(f'{kind}, sizes not known ahead: max |{hp} diff| {d:.2g} from fastai\'s own at each window\'s first micro-batch')
+        assert d < 1e-12
+
 class Buckets:
     "A length-bucketing batch sampler: a permutation from PyTorch's global random state, cut into batches of `sizes` in turn"
     def __init__(self, n, sizes): self.n,self.sizes = n,sizes

@@ -73,17 +73,23 @@ def _read_ahead(dl)->bool:
     return isinstance(dl, torch.utils.data.DataLoader) and dl.batch_size is None
 
 # %% ../../nbs/callback.gradaccum.ipynb #1c62e6e7
+def _sizes(n:int, bs:int, drop:bool)->list[int]: return [bs]*(n//bs) + ([n%bs] if n%bs and not drop else [])
+
 def micro_batch_sizes(dl)->list[int]|None:
-    "Size of each micro-batch `dl` yields in an epoch, where its length, batch size and `drop_last` tell them ahead"
-    if isinstance(dl, FastaiDataLoader): n,bs,drop = samples_per_process(dl),dl.bs,dl.drop_last # fastai's `DistributedDL` too
+    "Size of each micro-batch `dl` yields in an epoch in this process, where its length, batch size and `drop_last` tell them ahead"
+    whole = split_loader(dl)
+    if whole is not None: # fastai's `DistributedDL`: this process's slice of the epoch, batched by the loader it wraps, whose
+        # own sizes must be known; `len(dl)` rounds the whole loader's up to a multiple of the world size, so it is no check
+        return None if micro_batch_sizes(whole) is None else _sizes(samples_per_process(dl), whole.bs, whole.drop_last)
+    if isinstance(dl, FastaiDataLoader): n,bs,drop = dl.n,dl.bs,dl.drop_last
     elif isinstance(dl, torch.utils.data.DataLoader):
         if dl.batch_size is None: return sampler_sizes(dl)
-        try: n = len(dl.sampler)
+        try: n = len(dl.sampler) # PyTorch's `DistributedSampler`: this process's samples, padded or cut to an equal share
         except TypeError: return None
         bs,drop = dl.batch_size,dl.drop_last
     else: return None
     if not n or not bs: return None
-    sizes = [bs]*(n//bs) + ([n%bs] if n%bs and not drop else [])
+    sizes = _sizes(n, bs, drop)
     try: return sizes if len(sizes) == len(dl) else None # a loader that batches its own way: sizes are not known ahead
     except TypeError: return None
 
@@ -164,7 +170,7 @@ class GradientAccumulation(Callback):
     # Learner (and, through it, the model) for shadowing, a lookup that would cost more than the rest of the callback
     _state = frozenset('accumulating window_open window_closed plan sync n_steps i_window window_bs window_pct closes '
                        'mb_samples mb_items n_samples n_items loss_sum ref _discard _skipped_tail _bn_checked '
-                       'n_seen train_step window_held _drop _stepped n_global items_min _count_globally window_gbs world_size'.split())
+                       'n_seen train_step window_held _drop _stepped n_global items_min _count_globally window_gbs world_size mb_pct'.split())
     def __setattr__(self, name, value):
         "Set an attribute (the callback's own state without fastai's shadowing check)"
         if name in self._state: object.__setattr__(self, name, value)
@@ -206,6 +212,9 @@ class GradientAccumulation(Callback):
     def before_batch(self):
         "Open a window if none is, count the micro-batch, and tell whether it closes the window"
         learn = self.learn # read the Learner's attributes directly: `self.x` falls back to them through a slower lookup
+        # the epoch ends where the plan does: fastai's `DistributedDL` has a `len` (fastai's `n_iter`) that rounds up
+        if learn.iter == 0 and self.plan is not None: learn.n_iter = len(self.plan.sizes)
+        self.mb_pct = learn.pct_train # training progress at this micro-batch, as fastai counts it (`after_batch` keeps it so)
         if not self.window_open: self._open_window()
         learn.pct_train = self.window_pct # every micro-batch trains with the hyper-parameters of the window's first
         n = self.mb_samples = find_bs(learn.yb)
@@ -271,12 +280,15 @@ class GradientAccumulation(Callback):
         if self.window_open and self.closes and not self._stepped: self._step_window()
 
     def after_batch(self):
-        "Hand the window's loss to the Recorder when the window closes"
+        "Hand the window's loss to the Recorder when the window closes, and put back fastai's progress"
+        learn = self.learn
         self.sync.after_backward()
+        # `TrainEvalCallback` has added a micro-batch to the window's progress: add it to this micro-batch's instead
+        learn.pct_train = self.mb_pct + 1./(learn.n_iter*learn.n_epoch)
         if not self.window_closed: return
         if not self.n_samples: self.window_open = self.window_closed = False; return # nothing did backward: no record
         # the item-weighted mean over the window: the loss of the large batch it stands for
-        if self.log_accum_batch: self.learn.loss = (self.loss_sum/self.n_items).to(self.learn.loss.dtype)
+        if self.log_accum_batch: learn.loss = (self.loss_sum/self.n_items).to(learn.loss.dtype)
         self.window_open = False
 
     def after_train(self):
@@ -335,9 +347,9 @@ class GradientAccumulation(Callback):
         return self.n_global >= self.window_gbs
 
     def _window_pct(self)->float:
-        "Training progress the window's hyper-parameters are scheduled at: in optimizer steps where the plan is known"
+        "Training progress the window's hyper-parameters are scheduled at: in optimizer steps where the plan is known, else its first micro-batch's"
         p = self.plan
-        return self.pct_train if p is None else (self.epoch + self.i_window/p.n_windows)/self.n_epoch
+        return self.mb_pct if p is None else (self.epoch + self.i_window/p.n_windows)/self.n_epoch
 
     def _window_bs(self)->int:
         "Samples the window opening now should hold, as `accum_bs` counts them (a schedule changes it between windows)"
@@ -401,7 +413,8 @@ class GradientAccumulation(Callback):
                 else: print(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "
                             f"{self.accum_bs*n} samples per optimizer step")
         # processes whose plans differ close windows on the global count; a plan read ahead is checked on every micro-batch
-        self.plan,self._count_globally = self.sync.check_windows(self.plan, len(self.dl), _read_ahead(self.dl))
+        n = len(self.dl) if self.plan is None else len(self.plan.sizes) # what this process yields, whatever `len` says
+        self.plan,self._count_globally = self.sync.check_windows(self.plan, n, _read_ahead(self.dl))
 
     def _scale_grads(self, scale):
         grads = self._grads()

@@ -9,9 +9,9 @@ from itertools import accumulate
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
-from .gradaccum import GradientAccumulation, check_positive_int, check_bool, check_one_accumulation, check_one_learner
+from .gradaccum import GradientAccumulation, check_positive_int, check_bool, check_one_accumulation, check_one_learner, micro_batch_sizes
 from ..normalize import *
-from ..distributed import WindowSync, window_sync, check_grad_sync
+from ..distributed import WindowSync, window_sync, check_grad_sync, split_loader
 
 # %% auto #0
 __all__ = ['split_sizes', 'next_micro_bs', 'slice_batch', 'RowStates', 'MicroBatching']
@@ -87,8 +87,9 @@ class RowStates:
         c = _fastai_text('AWD_LSTM')
         awd = [] if c is None else [m for m in model.modules() if isinstance(m, c)]
         inside = {id(o) for m in awd for o in m.modules()}
-        # `reset` goes to children: fastai's text containers, and DDP (which `fastai.distributed` gives a `reset`)
-        passes = tuple(c for c in map(_fastai_text, ('SequentialRNN', 'SentenceEncoder')) if c is not None) + (nn.parallel.DistributedDataParallel,)
+        # `reset` goes to children; fastai.distributed gives PyTorch's DDP and DataParallel a `reset` that goes to their module
+        passes = (nn.parallel.DistributedDataParallel, nn.DataParallel,
+                  *(c for c in map(_fastai_text, ('SequentialRNN', 'SentenceEncoder')) if c is not None))
         other = [m for m in model.modules() if callable(getattr(m, 'reset', None)) and id(m) not in inside and not isinstance(m, passes)]
         if other: raise ValueError(f"MicroBatching cannot split the batch of a model whose {type(other[0]).__name__} has `reset`: "
             "it carries a state from batch to batch, row by row, that MicroBatching only knows how to split for fastai's AWD_LSTM. "
@@ -168,6 +169,13 @@ class MicroBatching(Callback):
             try: n = len(self.dl)
             except TypeError: n = None # a loader that cannot tell: its batches are counted as they come
             if n is not None: self.sync.check_windows(None, n, False, unit='batches')
+
+    def before_batch(self):
+        "At the epoch's first batch, under fastai's `DistributedDL`: the epoch's batches as this process yields them"
+        # its `len` (fastai's `n_iter`, by which `TrainEvalCallback` counts progress) rounds the whole loader's up to a multiple
+        # of the world size: with `drop_last`, one batch more than each process yields, and every step's hyper-parameters off
+        if self.iter == 0 and split_loader(self.dl) is not None and (sizes := micro_batch_sizes(self.dl)) is not None:
+            self.learn.n_iter = len(sizes)
 
     def after_fit(self):
         "Give fastai's `_do_one_batch` back"
