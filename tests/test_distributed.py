@@ -58,13 +58,15 @@ def reference(case):
         shards = W.shards(**W.UNEVEN) if case == 'uneven' else W.shards(300)
         trn,val = W.digits_split(300)
         order = global_order(shards, W.ACCUM_BS)
-        learn = W.digits_learner_on([trn[i] for i in order], val, 2*W.ACCUM_BS)
+        learn = W.digits_learner_on([trn[i] for i in order], val, 2*W.ACCUM_BS,
+                                    loss_func=nn.CrossEntropyLoss(weight=W.CLASS_WEIGHTS) if case == 'weighted' else None)
     with learn.no_logging(), learn.no_bar(): learn.fit(W.N_EPOCH)
     return learn
 
 def max_diff(a, b): return max((p-q).abs().max().item() for p,q in zip(a, b))
 
-@pytest.mark.parametrize('case,n_steps,starts', [('samples', 6, [0,4,8]), ('tokens', 10, [0,2,4,6,8]), ('uneven', 6, [0,4,8])])
+@pytest.mark.parametrize('case,n_steps,starts', [('samples', 6, [0,4,8]), ('tokens', 10, [0,2,4,6,8]), ('weighted', 6, [0,4,8]),
+                                                  ('uneven', 6, [0,4,8])])
 def test_two_processes_match_one(runs, case, n_steps, starts):
     res,_ = runs
     r0,r1 = res[case]
@@ -94,7 +96,7 @@ def test_effective_batch_is_logged_once_by_rank_0(runs):
     lines = [l.split(': ', 1)[1] for l in out.splitlines() if 'samples per optimizer step' in l]
     expected = ['accum_bs=32 samples per process x 2 processes = 64 samples per optimizer step' if c.startswith('tokens')
                 else 'accum_bs=64 samples per process x 2 processes = 128 samples per optimizer step'
-                for c in W.CASES if c in ('samples', 'tokens', 'uneven', 'mismatch', 'buckets', 'buckets_unsized', 'drift')]
+                for c in W.CASES if c in ('samples', 'tokens', 'weighted', 'uneven', 'mismatch', 'buckets', 'buckets_unsized', 'drift')]
     assert lines == expected # one per fit, and none from rank 1
 
 def test_windows_that_cannot_line_up_raise_instead_of_hanging(runs):

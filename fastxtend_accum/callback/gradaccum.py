@@ -146,13 +146,14 @@ class GradientAccumulation(Callback):
         n_acc:int=32, # fastai's name for accum_bs, used when accum_bs is None
         log_accum_batch:bool=True, # Record losses, hps and progress once per step
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
-        normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
+        normalize_by:str|Callable='auto', # 'auto' (read the loss), 'samples', (xb, yb) -> count
     ):
         n_acc = check_positive_int('n_acc', n_acc)
         self.accum_bs = n_acc if accum_bs is None else check_positive_int('accum_bs', accum_bs)
         self.n_acc,self.log_accum_batch = n_acc,check_bool('log_accum_batch', log_accum_batch)
         self.drop_last = check_bool('drop_last', drop_last, none_ok=True)
         self.normalize_by,self.counter = normalize_by,item_counter(normalize_by)
+        self._auto = auto_normalize(normalize_by, type(self).__name__) # 'auto': the counter is read from each epoch's loss
         self.accumulating,self.window_open,self.window_closed,self.plan,self.sync = False,False,False,None,None
         self._warned = set()
 
@@ -191,6 +192,7 @@ class GradientAccumulation(Callback):
         "Plan the epoch's windows from the loader's micro-batch sizes, where they are known ahead"
         self._drop_open_window(self.epoch-1) # an epoch cut short (`CancelEpochException`) skips `after_train`
         self.plan = self._plan_for(self.dl)
+        if self._auto is not None: self._auto.pending = True # read at the first micro-batch, after every `before_train`
         self.i_window,self._skipped_tail = -1,False
         self._setup_sync()
         # under DDP, a plan read from a batch sampler's copy is checked on every micro-batch, by all processes together
@@ -201,6 +203,7 @@ class GradientAccumulation(Callback):
     def before_batch(self):
         "Open a window if none is, count the micro-batch, and tell whether it closes the window"
         learn = self.learn # read the Learner's attributes directly: `self.x` falls back to them through a slower lookup
+        if self._auto is not None and self._auto.pending: self.counter = self._auto.counter(learn.loss_func, learn.xb, learn.yb)
         if not self.window_open: self._open_window()
         learn.pct_train = self.window_pct # every micro-batch trains with the hyper-parameters of the window's first
         n = self.mb_samples = find_bs(learn.yb)
