@@ -6,7 +6,9 @@ steps once per micro-batch; the accumulating variants step once per `accum_bs` s
 of `accum_bs` from its loader and splits them into the same micro-batches, so fastai's per-batch work (callbacks, Recorder,
 the loader's next batch) runs once per optimizer step instead of once per micro-batch. Two hand-written PyTorch loops do the
 same accumulation: one over the tensors, one over the same fastai loader the Learners use, so that the time fastai's
-`Learner` adds per batch (the loader's share taken out) is told apart from the time this library adds. The variants run interleaved
+`Learner` adds per batch (the loader's share taken out) is told apart from the time this library adds. The library's
+variants run with the default `normalize_by='auto'`, which counts what the models' `CrossEntropyLoss` averages over (its
+targets that are not -100, on the device); the same two with `normalize_by='samples'` show what that costs. The variants run interleaved
 (ABCDEF ABCDEF ...), after a warm-up round, with a fixed number of torch threads; each repetition times whole `fit(n_epoch)` calls (training only: validation is cancelled). The loader slices
 batches out of tensors, so that the loop, not item-by-item collation, is what is timed.
 
@@ -41,14 +43,19 @@ OURS = 'fastxtend_accum'
 OURS_LOG = f'{OURS} (log_accum_batch=True)'
 OURS_NOLOG = f'{OURS} (log_accum_batch=False)'
 MICRO = 'MicroBatching(fixed)'
+OURS_SAMPLES = f"{OURS} (normalize_by='samples')"
+MICRO_SAMPLES = "MicroBatching(fixed, normalize_by='samples')"
 TORCH = 'PyTorch loop (accumulation)'
 TORCH_DL = 'PyTorch loop over the fastai loader'
-VARIANTS = [NO_ACCUM, NO_ACCUM_PATCHED, FASTAI, OURS_LOG, OURS_NOLOG, MICRO, TORCH, TORCH_DL]
+VARIANTS = [NO_ACCUM, NO_ACCUM_PATCHED, FASTAI, OURS_LOG, OURS_NOLOG, OURS_SAMPLES, MICRO, MICRO_SAMPLES, TORCH, TORCH_DL]
 # (variant, reference, target): the variant's time over the reference's, measured side by side; None: no target, shown
 COMPARISONS = [(OURS_LOG, FASTAI, 1.02), (OURS_NOLOG, FASTAI, 1.02), (OURS_LOG, NO_ACCUM, 1.0), (OURS_NOLOG, NO_ACCUM, 1.0),
                (FASTAI, NO_ACCUM, None), (OURS_LOG, OURS_NOLOG, None), (NO_ACCUM_PATCHED, NO_ACCUM, None),
                (TORCH, NO_ACCUM, None), (MICRO, OURS_LOG, None), (MICRO, NO_ACCUM, None), (TORCH_DL, NO_ACCUM, None),
-               (TORCH, TORCH_DL, None)]
+               (TORCH, TORCH_DL, None),
+               # the default normalize_by='auto' on a classifier's CrossEntropyLoss counts its non-ignored targets on the device
+               # (exact if a target is ever -100), against counting samples: what 'auto' costs where it changes nothing
+               (OURS_LOG, OURS_SAMPLES, None), (MICRO, MICRO_SAMPLES, None)]
 
 MODELS = {'mlp': ('MLP 64-128-128-10', lambda: mlp(128, 2), False),
           'cnn': ('CNN conv(1->16, 3x3) conv(16->32, 3x3, stride 2) linear(512->10) on 1x8x8', lambda: cnn(16), True)}
@@ -123,8 +130,10 @@ def make_runners(make_model, x, y, micro_bs, accum_bs, n_epoch, opt):
     runners[FASTAI] = fastai_runner(FastaiGradientAccumulation(accum_bs), as_shipped=True)
     runners[OURS_LOG] = fastai_runner(GradientAccumulation(accum_bs, log_accum_batch=True))
     runners[OURS_NOLOG] = fastai_runner(GradientAccumulation(accum_bs, log_accum_batch=False))
+    runners[OURS_SAMPLES] = fastai_runner(GradientAccumulation(accum_bs, log_accum_batch=True, normalize_by='samples'))
     # batches of accum_bs from the loader, split into micro-batches of (at most) micro_bs
     runners[MICRO] = fastai_runner(MicroBatching(micro_bs, verbose=False), bs=accum_bs)
+    runners[MICRO_SAMPLES] = fastai_runner(MicroBatching(micro_bs, normalize_by='samples', verbose=False), bs=accum_bs)
     _,torch_opt,lr = OPTS[opt]
     def torch_runner(dl=None):
         model = make_model(); topt = torch_opt(model.parameters(), lr)
@@ -158,7 +167,9 @@ def bench_model(key, opt, reps, n_epoch, micro_bs, accum_bs, n_train):
               f'max |param diff| {MICRO} vs {TORCH}': max_diff(runners[MICRO][1], runners[TORCH][1]),
               f'max |param diff| {TORCH_DL} vs {TORCH}': max_diff(runners[TORCH_DL][1], runners[TORCH][1]),
               f'max |param diff| log_accum_batch True vs False': max_diff(runners[OURS_LOG][1], runners[OURS_NOLOG][1]),
-              f'max |param diff| {OURS} vs {FASTAI}': max_diff(runners[OURS_LOG][1], runners[FASTAI][1])}
+              f'max |param diff| {OURS} vs {FASTAI}': max_diff(runners[OURS_LOG][1], runners[FASTAI][1]),
+              f"max |param diff| normalize_by 'auto' vs 'samples'": max_diff(runners[OURS_LOG][1], runners[OURS_SAMPLES][1]),
+              f"what normalize_by='auto' counted": repr(runners[OURS_LOG][2].gradient_accumulation.counter)}
     wall,cpu = {name: [] for name in VARIANTS},{name: [] for name in VARIANTS}
     for _ in range(reps): # interleaved: ABCDEF ABCDEF ...
         for name in VARIANTS:

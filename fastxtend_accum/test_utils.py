@@ -13,8 +13,8 @@ import torch.nn.functional as F
 # %% auto #0
 __all__ = ['PAD', 'IGNORE', 'VOCAB', 'digits_data', 'Samples', 'digits_dls', 'digits_mlp', 'Float64SmoothLoss', 'digits_learner',
            'max_param_diff', 'encode', 'text_lines', 'text_samples', 'pad_batch', 'text_dl', 'text_dls', 'CharGRU',
-           'token_loss', 'text_learner', 'fit_digits', 'plot_runs', 'runs_table', 'digits_default_dls',
-           'TrainingRecord', 'global_order', 'Replay']
+           'CausalLM', 'token_loss', 'text_learner', 'FirstStepGrad', 'first_step_table', 'fit_digits', 'plot_runs',
+           'runs_table', 'digits_default_dls', 'TrainingRecord', 'global_order', 'Replay']
 
 # %% ../nbs/test_utils.ipynb #59e9c98b
 def digits_data(dtype=torch.float64):
@@ -66,6 +66,7 @@ def digits_mlp(n_hidden:int=32, # Width of the hidden layer
 # %% ../nbs/test_utils.ipynb #95e187c1
 class Float64SmoothLoss(Callback):
     "Keep the Recorder's smoothed loss in float64: fastai starts it as a float32 tensor, which `torch.lerp` cannot mix with float64 losses"
+    # (fastai's own losses, `BaseLoss`, compute in float32 whatever the model's dtype: the learners below leave it out for them)
     order = Recorder.order+1
     def before_fit(self):
         "Restart the smoothed loss as a float64 zero, after the Recorder's reset"
@@ -82,12 +83,14 @@ def digits_learner(bs:int, # Micro-batch size of the training loader
                    torch_loader:bool=False, # Plain PyTorch DataLoaders instead of fastai's
                    dtype=torch.float64, # Dtype of the weights and pixels
                    bn:bool=False, # Add a BatchNorm layer to the model
+                   loss_func=None, # The loss; None: nn.CrossEntropyLoss()
                    **kwargs)->Learner:
     "A float64 `Learner` on digits whose start is fixed by `seed`: two of them differ only in what is passed"
     dls = digits_dls(bs, n_train=n_train, shuffle=shuffle, drop_last=drop_last, seed=seed, dtype=dtype, torch_loader=torch_loader)
     # `nn.CrossEntropyLoss`, not fastai's `CrossEntropyLossFlat`: the latter computes float32 losses from float64 inputs
-    cbs = L(kwargs.pop('cbs', None)) + (L(Float64SmoothLoss()) if dtype == torch.float64 else L())
-    return Learner(dls, digits_mlp(seed=seed, dtype=dtype, bn=bn), loss_func=nn.CrossEntropyLoss(), opt_func=opt_func, lr=lr, cbs=cbs, **kwargs)
+    loss_func = ifnone(loss_func, nn.CrossEntropyLoss())
+    cbs = L(kwargs.pop('cbs', None)) + (L(Float64SmoothLoss()) if dtype == torch.float64 and not isinstance(loss_func, BaseLoss) else L())
+    return Learner(dls, digits_mlp(seed=seed, dtype=dtype, bn=bn), loss_func=loss_func, opt_func=opt_func, lr=lr, cbs=cbs, **kwargs)
 
 # %% ../nbs/test_utils.ipynb #d9aa8e88
 def max_param_diff(a:nn.Module|Learner, # A model, or a learner whose model to compare
@@ -170,6 +173,31 @@ class CharGRU(nn.Module):
         "Next-character logits at every position"
         return self.head(self.rnn(self.emb(x))[0])
 
+# %% ../nbs/test_utils.ipynb #c62d7f1d
+class CausalLM(nn.Module):
+    "A tiny GPT: token and position embeddings, pre-norm causal self-attention blocks, a linear head"
+    def __init__(self,
+        n_emb:int=32, # Width of the embeddings
+        n_head:int=2, # Attention heads
+        n_layer:int=2, # Transformer blocks
+        max_len:int=64, # Longest sequence
+        seed:int=0, # Seed of the weights
+        dtype=torch.float64, # Dtype of the weights
+    ):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.tok,self.pos = nn.Embedding(VOCAB, n_emb),nn.Embedding(max_len, n_emb)
+        block = nn.TransformerEncoderLayer(n_emb, n_head, 4*n_emb, dropout=0., batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, n_layer, enable_nested_tensor=False)
+        self.norm,self.head = nn.LayerNorm(n_emb),nn.Linear(n_emb, VOCAB)
+        self.to(dtype)
+    def forward(self, x):
+        "Next-character logits, as `(batch, VOCAB, length)`: the layout PyTorch's `CrossEntropyLoss` takes for sequences"
+        n = x.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1) # a position sees itself and what comes before
+        h = self.blocks(self.tok(x) + self.pos(torch.arange(n, device=x.device)), mask=causal, is_causal=True)
+        return self.head(self.norm(h)).transpose(1, 2)
+
 # %% ../nbs/test_utils.ipynb #53c7c379
 def token_loss(pred, # Logits, (batch, length, VOCAB)
                y, # Targets, IGNORE where padded
@@ -184,10 +212,37 @@ def text_learner(bs:int, # Micro-batch size of the training loader
                  lr:float=0.5, # Learning rate (SGD)
                  samples=None, # Training samples to use instead of the first n lines
                  cbs=None, # Callbacks
+                 model=None, # The model; None: CharGRU(seed=seed)
+                 loss_func=token_loss, # The loss (token_loss: a function 'auto' cannot read)
                  **kwargs)->Learner:
     "A float64 char-level `Learner` whose start is fixed by `seed`"
-    return Learner(text_dls(bs, n, samples=samples), CharGRU(seed=seed), loss_func=token_loss, opt_func=SGD, lr=lr,
-                   cbs=[Float64SmoothLoss()] + list(cbs or []), **kwargs)
+    model = CharGRU(seed=seed) if model is None else model
+    return Learner(text_dls(bs, n, samples=samples), model, loss_func=loss_func, opt_func=SGD, lr=lr,
+                   cbs=(L() if isinstance(loss_func, BaseLoss) else L(Float64SmoothLoss())) + L(cbs), **kwargs)
+
+# %% ../nbs/test_utils.ipynb #0da31740
+class FirstStepGrad(Callback):
+    "Keep the gradient the optimizer receives at the fit's first step, as the other `before_step` callbacks leave it"
+    order = 100
+    def before_fit(self):
+        "Forget the previous fit's"
+        self.grad = None
+    def before_step(self):
+        "Keep the first step's gradient, flattened"
+        if self.grad is None: self.grad = torch.cat([p.grad.flatten() for p in self.model.parameters()]).clone()
+
+# %% ../nbs/test_utils.ipynb #a6bc100f
+def first_step_table(large:Learner, # The reference run, with FirstStepGrad
+                     runs:dict, # {name: learner}, each with FirstStepGrad
+                    )->str:
+    "Each run's first-step gradient against the large batch's (relative distance, cosine), and its parameters at the end"
+    g,w = large.first_step_grad.grad,max(map(len, runs))
+    rows = [f"{'run':<{w}}{'first step: |g - g_large|/|g_large|':>37}{'cosine':>11}{'max |param diff| at the end':>30}"]
+    for name,learn in runs.items():
+        h = learn.first_step_grad.grad
+        rows.append(f"{name:<{w}}{((h-g).norm()/g.norm()).item():>37.2e}{F.cosine_similarity(g, h, dim=0).item():>11.6f}"
+                    f"{max_param_diff(large, learn):>30.1e}")
+    return '\n'.join(rows)
 
 # %% ../nbs/test_utils.ipynb #ac7dc4c2
 def fit_digits(bs:int, # Batch (or micro-batch) size of the training loader

@@ -58,12 +58,15 @@ def digits_split(n_train=300, n_valid=64):
     trn,val = list(zip(x[:n_train], y[:n_train])),list(zip(x[-n_valid:], y[-n_valid:]))
     return trn,val
 
-def digits_learner_on(trn, val, bs, cbs=(), drop_last=False):
+# the `weighted` case: class-weighted cross-entropy, which averages by the sum of its targets' weights
+CLASS_WEIGHTS = torch.linspace(0.2, 2., 10, dtype=torch.float64)
+
+def digits_learner_on(trn, val, bs, cbs=(), drop_last=False, loss_func=None):
     "A float64 digits `Learner` over the sample lists `trn` and `val`, with the weights of `digits_mlp(seed=0)`"
     from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
     dls = DataLoaders(FastaiDataLoader(trn, bs=bs, drop_last=drop_last, device='cpu'), FastaiDataLoader(val, bs=64, device='cpu'),
                       device='cpu')
-    return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1,
+    return Learner(dls, digits_mlp(seed=0), loss_func=loss_func or nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1,
                    cbs=[Float64SmoothLoss()] + list(cbs))
 
 def shards(n:int, world:int=2, uneven:int=0)->list[range]:
@@ -197,7 +200,7 @@ def run_sampler(case, out, rank):
 # short (52): their plans differ, the global window of 116 is short, and both processes drop it, as the large batch would
 UNEVEN_DROP = dict(n=384, uneven=12)
 
-CASES = ['samples', 'tokens', 'uneven', 'tokens_local', 'uneven_local', 'mismatch', 'buckets', 'buckets_unsized', 'drift',
+CASES = ['samples', 'tokens', 'weighted', 'uneven', 'tokens_local', 'uneven_local', 'mismatch', 'buckets', 'buckets_unsized', 'drift',
          'uneven_drop', *DEFAULTS, *SAMPLERS]
 
 def run_case(case, out, rank):
@@ -207,11 +210,14 @@ def run_case(case, out, rank):
     from fastxtend_accum.normalize import TokenCount
     count,base = CountAllReduce(),case.removesuffix('_local')
     GA = local_counts_cls() if case.endswith('_local') else GradientAccumulation
-    kw = dict(normalize_by=TokenCount()) if base == 'tokens' else {}
+    # 'samples' counts samples as it says; the other digits cases run with the default, normalize_by='auto', which counts the
+    # targets of their CrossEntropyLoss (the class weights' sum for 'weighted'), on the device
+    kw = dict(normalize_by=TokenCount()) if base == 'tokens' else dict(normalize_by='samples') if base == 'samples' else {}
     ga = GA(TEXT_ACCUM_BS if base == 'tokens' else ACCUM_BS, **kw)
-    if base == 'samples': # fastai's DistributedTrainer splits the 300 samples in halves: windows of 64, 64, 22 per process
+    if base in ('samples', 'weighted'): # fastai's DistributedTrainer splits the 300 samples in halves: windows of 64, 64, 22 per process
         trn,val = digits_split()
-        learn = digits_learner_on(trn, val, MICRO_BS, cbs=[ga, count])
+        lf = nn.CrossEntropyLoss(weight=CLASS_WEIGHTS) if base == 'weighted' else None
+        learn = digits_learner_on(trn, val, MICRO_BS, cbs=[ga, count], loss_func=lf)
     elif base == 'tokens': # a char-level model on padded lines; windows of 32, 32, 32, 32, 22 lines per process
         from fastxtend_accum.test_utils import text_learner
         learn = text_learner(MICRO_BS, n=300, cbs=[ga, count])

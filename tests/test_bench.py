@@ -39,7 +39,9 @@ def test_overhead_quick(runs):
                             ('fastxtend_accum (log_accum_batch=True)', 'no accumulation'),
                             ('PyTorch loop (accumulation)', 'no accumulation'),
                             ('MicroBatching(fixed)', 'fastxtend_accum (log_accum_batch=True)'),
-                            ('PyTorch loop over the fastai loader', 'no accumulation')]:
+                            ('PyTorch loop over the fastai loader', 'no accumulation'),
+                            ('fastxtend_accum (log_accum_batch=True)', "fastxtend_accum (normalize_by='samples')"),
+                            ('MicroBatching(fixed)', "MicroBatching(fixed, normalize_by='samples')")]:
             hits = [l for l in lines if l.startswith(f'RATIO {key}: {variant} / {ref} = ')]
             assert len(hits) == 1, f'no ratio line for {key}: {variant} / {ref} in:\n' + '\n'.join(lines)
             m = re.search(rf'= {NUM} CPU time \[min (\d+\.\d+), max (\d+\.\d+)\] \(best-of {NUM}; [+-]\d+ us per micro-batch; '
@@ -56,7 +58,9 @@ def test_overhead_quick(runs):
         m = data['models'][key]
         assert set(m['variants']) == {'no accumulation', 'no accumulation, patched Recorder', 'fastai GradientAccumulation',
                                       'fastxtend_accum (log_accum_batch=True)', 'fastxtend_accum (log_accum_batch=False)',
-                                      'MicroBatching(fixed)', 'PyTorch loop (accumulation)', 'PyTorch loop over the fastai loader'}
+                                      "fastxtend_accum (normalize_by='samples')", 'MicroBatching(fixed)',
+                                      "MicroBatching(fixed, normalize_by='samples')", 'PyTorch loop (accumulation)',
+                                      'PyTorch loop over the fastai loader'}
         assert all(len(v['cpu_s']) == len(v['wall_s']) == 2 and min(v['cpu_s']) > 0 and min(v['wall_s']) > 0
                    for v in m['variants'].values())
         # the variants train as they say: 47 micro-batches, 12 steps (fastai's: 11, its short last window waits for the
@@ -65,13 +69,17 @@ def test_overhead_quick(runs):
         assert s['micro-batches per epoch'] == 47
         assert s['optimizer steps per epoch'] == {'no accumulation': 47, 'no accumulation, patched Recorder': 47,
             'fastai GradientAccumulation': 11, 'fastxtend_accum (log_accum_batch=True)': 12, 'fastxtend_accum (log_accum_batch=False)': 12,
-            'MicroBatching(fixed)': 12}
+            "fastxtend_accum (normalize_by='samples')": 12, 'MicroBatching(fixed)': 12,
+            "MicroBatching(fixed, normalize_by='samples')": 12}
         assert s['loss records per fit (log_accum_batch True, False)'] == [12, 47]
         assert s["patched methods put back for fastai's variants"] == 7 # 3 after_batch, _launch_pbar, fit, _do_grad_opt, GA before_fit
         assert s['max |param diff| fastxtend_accum vs PyTorch loop (accumulation)'] < 1e-5
         assert s['max |param diff| MicroBatching(fixed) vs PyTorch loop (accumulation)'] < 1e-5 # batches of 128 split in 4
         assert s['max |param diff| PyTorch loop over the fastai loader vs PyTorch loop (accumulation)'] < 1e-5
         assert s['max |param diff| fastxtend_accum vs fastai GradientAccumulation'] > 1e-4 # fastai's last window is not a mean
+        # the default reads the models' CrossEntropyLoss: it counts the targets (on the device), which here are the samples
+        assert s["what normalize_by='auto' counted"] == 'TokenCount(ignore_index=-100)'
+        assert s["max |param diff| normalize_by 'auto' vs 'samples'"] < 1e-5
 
 def test_memory_quick(runs):
     out,res = runs

@@ -55,7 +55,8 @@ def reference(case):
         shards = W.shards(**W.UNEVEN) if case == 'uneven' else W.shards(300)
         trn,val = W.digits_split(300)
         order = global_order([list(s) for s in shards], W.ACCUM_BS)
-        learn = W.digits_learner_on([trn[i] for i in order], val, 2*W.ACCUM_BS)
+        learn = W.digits_learner_on([trn[i] for i in order], val, 2*W.ACCUM_BS,
+                                    loss_func=nn.CrossEntropyLoss(weight=W.CLASS_WEIGHTS) if case == 'weighted' else None)
     with learn.no_logging(), learn.no_bar(): learn.fit(W.N_EPOCH)
     return learn
 
@@ -112,7 +113,8 @@ def compare_with_twin(r0:dict, r1:dict, case:str)->tuple:
     ref = twin(case, orders)
     return hp_diff(r0, ref, 'lr'),hp_diff(r0, ref, 'mom'),max_diff(r0['params'], ref['params']),ref
 
-@pytest.mark.parametrize('case,n_steps,starts', [('samples', 6, [0,4,8]), ('tokens', 10, [0,2,4,6,8]), ('uneven', 6, [0,4,8])])
+@pytest.mark.parametrize('case,n_steps,starts', [('samples', 6, [0,4,8]), ('tokens', 10, [0,2,4,6,8]), ('weighted', 6, [0,4,8]),
+                                                  ('uneven', 6, [0,4,8])])
 def test_two_processes_match_one(runs, case, n_steps, starts):
     res,_ = runs
     r0,r1 = res[case]

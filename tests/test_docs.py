@@ -84,10 +84,10 @@ def test_signature_reads_well(modname, name, obj):
 
 @pytest.mark.parametrize('name', ['GradientAccumulation', 'GradientAccumulationSchedule', 'MicroBatching'])
 def test_normalize_by_annotation(name):
-    "`normalize_by` takes 'samples' or a callable, and its annotation says so"
+    "`normalize_by` takes 'auto' (the default), 'samples' or a callable, and its annotation says so"
     import fastxtend_accum.all as lib
     p = inspect.signature(getattr(lib, name)).parameters['normalize_by']
-    assert p.default == 'samples' and {'str', 'Callable'} <= set(re.findall(r'\w+', str(p.annotation))), p
+    assert p.default == 'auto' and {'str', 'Callable'} <= set(re.findall(r'\w+', str(p.annotation))), p
 
 def test_sample_count_signature():
     "`SampleCount` shows how it is made, `SampleCount()`, not `(*args, **kwargs)`"

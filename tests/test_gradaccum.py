@@ -352,7 +352,7 @@ def test_does_not_divide_warns_once_with_size():
     (dict(accum_bs='64'), "`accum_bs` must be a positive integer, got '64'"),
     (dict(n_acc=0), '`n_acc` must be a positive integer, got 0'),
     (dict(n_acc=None), '`n_acc` must be a positive integer, got None'),
-    (dict(normalize_by='tokens'), "`normalize_by` must be 'samples' or a callable"),
+    (dict(normalize_by='tokens'), "`normalize_by` must be 'auto', 'samples' or a callable"),
     (dict(normalize_by=TokenCount), 'got the class TokenCount: pass `TokenCount()`'),
     (dict(accum_bs=64, n_acc=-1), '`n_acc` must be a positive integer, got -1'),
     (dict(drop_last='False'), "`drop_last` must be True or False or None, got 'False'"),

@@ -270,7 +270,8 @@ def test_normalize_by_tokens():
     micro = fit(token_learner(64, MicroBatching(16, normalize_by=TokenCount())))
     large = fit(token_learner(64))
     assert_same_training(large, micro)
-    by_samples = fit(token_learner(64, MicroBatching(16)))
+    assert_same_training(large, fit(token_learner(64, MicroBatching(16)))) # 'auto' reads the loss's ignore_index
+    by_samples = fit(token_learner(64, MicroBatching(16, normalize_by='samples')))
     assert max_param_diff(large, by_samples) > 1e-4 or torch.isnan(by_samples.model[0].weight).any()
 
 def test_cancel_batch_mid_way_leaves_no_gradients():
@@ -355,7 +356,7 @@ def test_batchnorm_warns_once():
     (dict(micro_bs=True), "`micro_bs` must be a positive integer, 'auto' or 'fastest', got True"),
     (dict(n_timed=0), '`n_timed` must be a positive integer, got 0'),
     (dict(n_candidates=-1), '`n_candidates` must be a positive integer, got -1'),
-    (dict(normalize_by='tokens'), "`normalize_by` must be 'samples' or a callable"),
+    (dict(normalize_by='tokens'), "`normalize_by` must be 'auto', 'samples' or a callable"),
 ])
 def test_bad_input(kwargs, msg):
     with pytest.raises(ValueError, match=re.escape(msg)): MicroBatching(**kwargs)

@@ -21,7 +21,7 @@ def test_micro_batches_are_uneven():
 def test_token_mean_matches_large_batch():
     large = fit(text_learner(ACCUM_BS))
     accum = fit(text_learner(MICRO_BS, cbs=[GradientAccumulation(ACCUM_BS, normalize_by=TokenCount(ignore_index=IGNORE))]))
-    naive = fit(text_learner(MICRO_BS, cbs=[GradientAccumulation(ACCUM_BS)])) # each micro-batch weighted by its samples
+    naive = fit(text_learner(MICRO_BS, cbs=[GradientAccumulation(ACCUM_BS, normalize_by='samples')])) # each micro-batch weighted by its samples
     d_tokens,d_naive = max_param_diff(large, accum),max_param_diff(large, naive)
     print(f'max |param diff| vs the large batch: TokenCount {d_tokens:.3g}, samples (per-micro-batch mean) {d_naive:.3g}')
     assert d_tokens < 1e-8
@@ -30,3 +30,175 @@ def test_token_mean_matches_large_batch():
     # the recorded losses are those of the large batch: token means over each window
     assert torch.allclose(torch.stack(accum.recorder.losses), torch.stack(large.recorder.losses), rtol=0, atol=1e-10)
     assert not torch.allclose(torch.stack(naive.recorder.losses), torch.stack(large.recorder.losses), rtol=0, atol=1e-4)
+
+# ---- normalize_by='auto' (issue 17): no argument, exact for losses that average over something other than samples ----
+import re, sys, warnings
+import pytest
+from fastai.basics import *
+from fastai.callback.mixup import MixUp
+from fastxtend_accum.callback.microbatch import MicroBatching
+from fastxtend_accum.callback.schedule import GradientAccumulationSchedule
+from fastxtend_accum.normalize import SampleCount, WeightedTargetCount
+from fastxtend_accum.test_utils import CausalLM, FirstStepGrad, digits_learner, VOCAB
+from helpers import assert_same_training
+
+LM_LINES,LM_MICRO,LM_ACCUM = 448,8,32 # 14 steps of 32 lines, in micro-batches of 8
+CLASS_W = torch.linspace(0.2, 2., 10, dtype=torch.float64)
+
+def quiet(learn, n_epoch=1):
+    "Fit; keep the warnings raised"
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        learn.fit(n_epoch)
+    learn.warned = [str(w.message) for w in ws if 'normalize_by' in str(w.message)]
+    return learn
+
+def lm(bs, cb=None, loss_func=None):
+    "The causal LM on padded lines (labels -100), PyTorch's CrossEntropyLoss unless told"
+    loss_func = nn.CrossEntropyLoss() if loss_func is None else loss_func
+    return quiet(text_learner(bs, n=LM_LINES, model=CausalLM(), loss_func=loss_func, lr=0.1, cbs=L(cb) + [FirstStepGrad()]))
+
+def split(kind, normalize_by=None):
+    "GradientAccumulation(32) on micro-batches of 8, or MicroBatching(8) on batches of 32: (loader bs, callback)"
+    kw = {} if normalize_by is None else dict(normalize_by=normalize_by)
+    return (LM_MICRO, GradientAccumulation(LM_ACCUM, **kw)) if kind == 'accum' else (LM_ACCUM, MicroBatching(LM_MICRO, verbose=False, **kw))
+
+@pytest.fixture(scope='module')
+def lm_large(): return lm(LM_ACCUM)
+
+@pytest.mark.parametrize('kind', ['accum', 'micro'])
+def test_auto_padded_lm_pytorch_loss(lm_large, kind, capsys):
+    "No argument: the padded causal LM's token mean, exactly; explicit 'samples' is the per-micro-batch mean of before"
+    auto = lm(*split(kind))
+    assert_same_training(lm_large, auto)
+    cb = auto.gradient_accumulation if kind == 'accum' else auto.micro_batching
+    assert repr(cb.counter) == 'TokenCount(ignore_index=-100)' and not auto.warned
+    if kind == 'accum': # said once; MicroBatching says it only when verbose
+        assert capsys.readouterr().out.count("normalize_by='auto' counts what CrossEntropyLoss averages over") == 1
+    samples = lm(*split(kind, 'samples'))
+    g,h = lm_large.first_step_grad.grad,samples.first_step_grad.grad
+    print(f"{kind}: max |param diff| 'auto' {max_param_diff(lm_large, auto):.2g}, 'samples' {max_param_diff(lm_large, samples):.2g} "
+          f"(first step {((h-g).norm()/g.norm()).item():.2%} off)")
+    assert max_param_diff(lm_large, samples) > 1e-4 and (h-g).norm()/g.norm() > 1e-2
+
+def test_auto_padded_lm_fastai_loss():
+    "fastai's CrossEntropyLossFlat (class axis 1 here) is read through its BaseLoss; it computes in float32: exact to that"
+    flat = CrossEntropyLossFlat(axis=1)
+    large = lm(LM_ACCUM, loss_func=flat)
+    for kind in ('accum', 'micro'):
+        auto,samples = lm(*split(kind), loss_func=flat),lm(*split(kind, 'samples'), loss_func=flat)
+        print(f"{kind}: max |param diff| 'auto' {max_param_diff(large, auto):.2g}, 'samples' {max_param_diff(large, samples):.2g}")
+        assert max_param_diff(large, auto) < 1e-7 and max_param_diff(large, samples) > 1e-4
+
+def test_auto_label_smoothing_class_weights_and_ignore_index():
+    "PyTorch's label smoothing divides by the same sum of the non-ignored targets' weights: 'auto' counts it"
+    loss = nn.CrossEntropyLoss(weight=torch.linspace(0.5, 1.5, VOCAB, dtype=torch.float64), label_smoothing=0.1)
+    large = lm(LM_ACCUM, loss_func=loss)
+    for kind in ('accum', 'micro'):
+        auto = lm(*split(kind), loss_func=loss)
+        assert repr(getattr(auto, {'accum': 'gradient_accumulation', 'micro': 'micro_batching'}[kind]).counter).startswith('WeightedTargetCount(')
+        assert_same_training(large, auto)
+        assert max_param_diff(large, lm(*split(kind, 'samples'), loss_func=loss)) > 1e-4
+
+def test_auto_schedule():
+    "GradientAccumulationSchedule counts the same way"
+    large = lm(LM_ACCUM)
+    sched = lm(LM_MICRO, GradientAccumulationSchedule(LM_ACCUM, LM_ACCUM))
+    assert max_param_diff(large, sched) < 1e-8
+
+def weighted(bs, cb=None, fastai=False, n_epoch=2):
+    loss = CrossEntropyLossFlat(weight=CLASS_W.float()) if fastai else nn.CrossEntropyLoss(weight=CLASS_W)
+    return quiet(digits_learner(bs, loss_func=loss, cbs=L(cb) + [FirstStepGrad()]), n_epoch)
+
+@pytest.mark.parametrize('fastai', [False, True], ids=['pytorch', 'fastai'])
+def test_auto_class_weighted_ce(fastai):
+    "Class-weighted cross-entropy averages by the sum of its targets' weights: 'auto' counts that sum"
+    large = weighted(64, fastai=fastai)
+    eps = 1e-7 if fastai else 1e-8 # fastai's loss computes in float32
+    for cb in (GradientAccumulation(64), MicroBatching(16, verbose=False)):
+        auto = weighted(16 if isinstance(cb, GradientAccumulation) else 64, cb, fastai)
+        assert isinstance(cb.counter, WeightedTargetCount)
+        assert max_param_diff(large, auto) < eps
+        cb = type(cb)(64, normalize_by='samples') if isinstance(cb, GradientAccumulation) else MicroBatching(16, normalize_by='samples', verbose=False)
+        d = max_param_diff(large, weighted(16 if isinstance(cb, GradientAccumulation) else 64, cb, fastai))
+        print(f"{type(cb).__name__}, {'fastai' if fastai else 'PyTorch'}: max |param diff| 'auto' {max_param_diff(large, auto):.2g}, 'samples' {d:.2g}")
+        assert d > 1e-3
+
+def test_explicit_samples_weights_each_micro_batch_by_its_samples():
+    "'samples' is what it was: the same step as a counter of samples through the counting path, not the large batch's"
+    large = weighted(64, n_epoch=1)
+    by_samples = weighted(16, GradientAccumulation(64, normalize_by='samples'), n_epoch=1)
+    counted = weighted(16, GradientAccumulation(64, normalize_by=lambda xb, yb: torch.tensor(find_bs(yb))), n_epoch=1)
+    assert isinstance(by_samples.gradient_accumulation.counter, SampleCount)
+    assert max_param_diff(by_samples, counted) < 1e-12 and max_param_diff(large, by_samples) > 1e-3
+
+@pytest.mark.parametrize('kind', ['accum', 'micro'])
+def test_plain_function_on_ignored_targets_warns_once(kind):
+    "A loss 'auto' cannot read, on targets that hold -100: samples are counted, and one warning names TokenCount"
+    bs,cb = (MICRO_BS, GradientAccumulation(ACCUM_BS)) if kind == 'accum' else (ACCUM_BS, MicroBatching(MICRO_BS, verbose=False))
+    learn = quiet(text_learner(bs, cbs=[cb]), 2) # token_loss: a plain function
+    assert isinstance(cb.counter, SampleCount)
+    assert len(learn.warned) == 1 and 'normalize_by=TokenCount(ignore_index=-100)' in learn.warned[0]
+    assert 'cannot read the loss token_loss' in learn.warned[0]
+    assert not quiet(learn, 1).warned # the same callback, another fit: said already
+    # digits' targets never hold -100: nothing to say
+    assert not quiet(digits_learner(16, loss_func=lambda p, y: F.cross_entropy(p, y), cbs=GradientAccumulation(64))).warned
+
+def test_fastai_label_smoothing_counts_samples():
+    "fastai's LabelSmoothingCrossEntropy: samples, exact with no ignored targets; with -100 targets no count is, and it says so"
+    ls = LabelSmoothingCrossEntropyFlat()
+    large = quiet(digits_learner(64, loss_func=ls))
+    auto = quiet(digits_learner(16, loss_func=ls, cbs=GradientAccumulation(64)))
+    assert isinstance(auto.gradient_accumulation.counter, SampleCount) and not auto.warned
+    assert max_param_diff(large, auto) < 1e-7
+    learn = quiet(text_learner(MICRO_BS, loss_func=LabelSmoothingCrossEntropyFlat(), cbs=[GradientAccumulation(ACCUM_BS)]))
+    assert len(learn.warned) == 1 and 'smoothing term over every target' in learn.warned[0]
+
+def test_auto_reads_the_loss_of_each_fit():
+    "The same callback follows a Learner whose loss changes between fits"
+    cb = GradientAccumulation(64)
+    learn = digits_learner(16, cbs=cb)
+    quiet(learn)
+    assert repr(cb.counter) == 'TokenCount(ignore_index=-100)'
+    learn.loss_func = nn.CrossEntropyLoss(weight=CLASS_W)
+    quiet(learn)
+    assert isinstance(cb.counter, WeightedTargetCount)
+    learn.loss_func = lambda p, y: F.cross_entropy(p, y)
+    quiet(learn)
+    assert isinstance(cb.counter, SampleCount)
+
+def test_auto_reads_mixup_loss():
+    """fastai's MixUp swaps in its own loss at `before_train`, a mean over samples (ignored targets count as 0) whatever the
+    class weights: 'auto' reads the loss at the epoch's first micro-batch, after that swap, and counts samples. (Not with
+    MicroBatching: MixUp's loss holds the whole batch's second targets, which a micro-batch's predictions do not match)"""
+    cb = GradientAccumulation(64)
+    learn = digits_learner(16, cbs=[cb, MixUp()], dtype=torch.float32, loss_func=CrossEntropyLossFlat(weight=CLASS_W.float()))
+    quiet(learn) # MixUp mixes in float32
+    assert isinstance(cb.counter, SampleCount) and not learn.warned
+
+def test_auto_hugging_face_gpt2(monkeypatch):
+    """The issue's case: Hugging Face's GPT-2 built from a config (random weights), labels padded with -100, PyTorch's
+    CrossEntropyLoss, GradientAccumulation(32) on micro-batches of 8, no argument. Where `transformers` imports (it is not
+    in the lock files: install it beside them to run this); torchvision, which it would import, is hidden"""
+    monkeypatch.setitem(sys.modules, 'torchvision', None) # the CUDA torchvision wheel fails to import with CPU torch
+    transformers = pytest.importorskip('transformers')
+    class GPT2Logits(nn.Module):
+        "GPT-2's next-token logits as (batch, vocab, length), the layout CrossEntropyLoss takes for sequences"
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
+                                          eos_token_id=0, resid_pdrop=0., embd_pdrop=0., attn_pdrop=0.)
+            self.gpt2 = transformers.GPT2LMHeadModel(cfg).double()
+        def forward(self, x): return self.gpt2(input_ids=x).logits.transpose(1, 2)
+    def run(bs, cb=None):
+        return quiet(text_learner(bs, n=LM_LINES, model=GPT2Logits(), loss_func=nn.CrossEntropyLoss(), lr=0.1,
+                                  cbs=L(cb) + [FirstStepGrad()]))
+    large,auto,samples = run(LM_ACCUM),run(LM_MICRO, GradientAccumulation(LM_ACCUM)),run(LM_MICRO, GradientAccumulation(LM_ACCUM, normalize_by='samples'))
+    g = large.first_step_grad.grad
+    off = {k: ((l.first_step_grad.grad-g).norm()/g.norm()).item() for k,l in [('auto', auto), ('samples', samples)]}
+    print(f"transformers {transformers.__version__} GPT-2, {len(large.recorder.losses)} steps: 'auto' first step {off['auto']:.1e} off, "
+          f"max |param diff| {max_param_diff(large, auto):.1e}; 'samples' first step {off['samples']:.2%} off, "
+          f"max |param diff| {max_param_diff(large, samples):.1e}")
+    assert max_param_diff(large, auto) < 1e-8 and off['auto'] < 1e-10
+    assert max_param_diff(large, samples) > 1e-4 and off['samples'] > 1e-2

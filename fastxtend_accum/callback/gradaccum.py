@@ -153,7 +153,7 @@ class GradientAccumulation(Callback):
         global_bs:bool=False, # accum_bs counts samples over all processes
         log_accum_batch:bool=True, # Record losses, hps and progress once per step
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
-        normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
+        normalize_by:str|Callable='auto', # 'auto' (read the loss), 'samples', (xb, yb) -> count
         grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
     ):
         n_acc = check_positive_int('n_acc', n_acc)
@@ -162,6 +162,7 @@ class GradientAccumulation(Callback):
         self.global_bs,self.world_size = check_bool('global_bs', global_bs),1
         self.drop_last = check_bool('drop_last', drop_last, none_ok=True)
         self.normalize_by,self.counter = normalize_by,item_counter(normalize_by)
+        self._auto = auto_normalize(normalize_by, type(self).__name__) # 'auto': the counter is read from each epoch's loss
         self.grad_sync = check_grad_sync(grad_sync)
         self.accumulating,self.window_open,self.window_closed,self.plan,self.sync = False,False,False,None,WindowSync()
         self._warned = set()
@@ -204,6 +205,7 @@ class GradientAccumulation(Callback):
         "Plan the epoch's windows from the loader's micro-batch sizes, where they are known ahead"
         self._drop_open_window(self.epoch-1) # an epoch cut short (`CancelEpochException`) skips `after_train`
         self.plan = self._plan_for(self.dl)
+        if self._auto is not None: self._auto.pending = True # read at the first micro-batch, after every `before_train`
         self.i_window,self._skipped_tail = -1,False
         self._setup_sync()
         if self.plan is None: self._warn_once('noplan', "The training loader's micro-batch sizes are not known ahead: windows "
@@ -215,6 +217,7 @@ class GradientAccumulation(Callback):
         # the epoch ends where the plan does: fastai's `DistributedDL` has a `len` (fastai's `n_iter`) that rounds up
         if learn.iter == 0 and self.plan is not None: learn.n_iter = len(self.plan.sizes)
         self.mb_pct = learn.pct_train # training progress at this micro-batch, as fastai counts it (`after_batch` keeps it so)
+        if self._auto is not None and self._auto.pending: self.counter = self._auto.counter(learn.loss_func, learn.xb, learn.yb)
         if not self.window_open: self._open_window()
         learn.pct_train = self.window_pct # every micro-batch trains with the hyper-parameters of the window's first
         n = self.mb_samples = find_bs(learn.yb)

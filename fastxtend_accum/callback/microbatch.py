@@ -124,7 +124,7 @@ class MicroBatching(Callback):
     _learn,splits_batches = None,True
     def __init__(self,
         micro_bs:int|str='auto', # Micro-batch size, 'auto' (the largest that fits) or 'fastest'
-        normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
+        normalize_by:str|Callable='auto', # 'auto' (read the loss), 'samples', (xb, yb) -> count
         keep_pred:bool=True, # Keep the batch's predictions in learn.pred (train metrics)
         n_timed:int=3, # 'fastest': batches timed per candidate size, after one warm-up batch
         n_candidates:int=3, # 'fastest': sizes timed: the largest that fits, then one more part
@@ -138,6 +138,7 @@ class MicroBatching(Callback):
         self.n_timed,self.n_candidates = check_positive_int('n_timed', n_timed),check_positive_int('n_candidates', n_candidates)
         self.keep_pred,self.verbose = check_bool('keep_pred', keep_pred),check_bool('verbose', verbose)
         self.grad_sync,self.sync = check_grad_sync(grad_sync),WindowSync()
+        self._auto = auto_normalize(normalize_by, type(self).__name__, self.verbose) # 'auto': read from each epoch's loss
         self._saved,self._mp,self.chosen_micro_bs,self.ooms,self.throughput = None,None,None,[],{}
 
     @property
@@ -169,6 +170,7 @@ class MicroBatching(Callback):
             try: n = len(self.dl)
             except TypeError: n = None # a loader that cannot tell: its batches are counted as they come
             if n is not None: self.sync.check_windows(None, n, False, unit='batches')
+        if self._auto is not None: self._auto.pending = True # read at the first batch, after every `before_train`
 
     def before_batch(self):
         "At the epoch's first batch, under fastai's `DistributedDL`: the epoch's batches as this process yields them"
@@ -192,6 +194,7 @@ class MicroBatching(Callback):
         learn = self.learn
         if learn is None or not learn.training or not len(learn.yb) or self not in learn.cbs: return self._fastai_do_one_batch()
         xb,yb = learn.xb,learn.yb
+        if self._auto is not None and self._auto.pending: self.counter = self._auto.counter(learn.loss_func, xb, yb)
         n = find_bs(yb)
         if self.ref_bs is None: self.ref_bs = n # the batch size 'fastest' times, and that 'auto' reports
         timed = self._timed(n)

@@ -51,7 +51,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         log_accum_batch:bool=True, # Record losses, hps and progress once per step
         micro_batch_size:int|None=None, # Samples per micro-batch; None: the loader's
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
-        normalize_by:str|Callable='samples', # 'samples', or a callable (xb, yb) -> count
+        normalize_by:str|Callable='auto', # 'auto' (read the loss), 'samples', (xb, yb) -> count
         grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
     ):
         start_accum_bs = check_positive_int('start_accum_bs', start_accum_bs)
