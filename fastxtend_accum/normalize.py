@@ -14,6 +14,7 @@ __all__ = ['SampleCount', 'TokenCount', 'WeightedTargetCount', 'item_counter', '
 # %% ../nbs/normalize.ipynb #76a64e9f
 class SampleCount:
     "Count the samples of a micro-batch: for losses that average over samples (fastai's default)"
+    counts_valid = True # finite and non-negative as they are made: the callbacks need not check them
     def __init__(self): pass # no parameters: `SampleCount()`
     def __call__(self, xb:tuple, yb:tuple)->int: return find_bs(yb)
     def __repr__(self): return 'SampleCount()'
@@ -21,6 +22,7 @@ class SampleCount:
 # %% ../nbs/normalize.ipynb #7aebaafd
 class TokenCount:
     "Count the targets that are not `ignore_index`: for losses that average over non-padding tokens"
+    counts_valid = True # a count of targets: finite and non-negative, no check per window needed
     def __init__(self, ignore_index:int=-100): store_attr()
     def __call__(self, xb:tuple, yb:tuple)->Tensor: return (yb[0] != self.ignore_index).sum(dtype=torch.float64) # on device: no sync
     def __repr__(self): return f'TokenCount(ignore_index={self.ignore_index})'
@@ -28,6 +30,7 @@ class TokenCount:
 # %% ../nbs/normalize.ipynb #ee0ab0a3
 class WeightedTargetCount:
     "Sum the class weights of the targets that are not `ignore_index`: what a class-weighted cross-entropy averages by"
+    counts_valid = True # a sum of weights checked finite and non-negative once, when the counter is made
     def __init__(self,
         weight:Tensor, # The loss's class weights, one per class
         ignore_index:int=-100, # The loss's ignore_index

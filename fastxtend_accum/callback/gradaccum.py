@@ -254,7 +254,7 @@ class GradientAccumulation(Callback):
         # only a micro-batch whose backward ran is counted: one cancelled before it adds nothing to the window's mean
         self.n_samples += self.mb_samples
         self.n_items = self.n_items + self.mb_items
-        if not self._by_samples: self.items_min = torch.minimum(self.items_min, self.mb_items) # checked at the step
+        if self._checks_counts: self.items_min = torch.minimum(self.items_min, self.mb_items) # checked at the step
         loss = self.learn.loss.detach()*self.mb_items
         # a micro-batch with no items (all padding) has a NaN mean loss: it adds nothing to the window's loss
         self.loss_sum = self.loss_sum + (loss if self._by_samples else torch.where(self.mb_items > 0, loss, 0.))
@@ -263,7 +263,7 @@ class GradientAccumulation(Callback):
         "Close the window: the exact mean gradient, then one optimizer step that every callback sees (and may cancel) once"
         learn,self._stepped = self.learn,True
         if self.sync.world_size == 1 and not self.n_samples: return self._abandon_window() # every micro-batch was cancelled
-        if not self._by_samples: check_counts(self.normalize_by, self.items_min, self.n_items) # one sync per step
+        if self._checks_counts: check_counts(self.normalize_by, self.items_min, self.n_items) # one sync per step
         self.n_items,held,self.loss_sum = self.sync.totals(self.n_items, self.n_samples, self.loss_sum) # over all processes
         if 'size' not in self._warned and self._overfilled(): self._warn_once('size', self._size_message(held))
         scale = self._grad_scale()
@@ -331,7 +331,7 @@ class GradientAccumulation(Callback):
         bs = self._window_bs()
         self.window_bs,self.window_gbs = self._per_process(bs),self._over_processes(bs)
         self.n_samples,self.n_seen,self.n_items,self.loss_sum,self.ref,self.n_global = 0,0,0,0.,None,0
-        if not self._by_samples: self.items_min = torch.tensor(math.inf, dtype=torch.float64)
+        if self._checks_counts: self.items_min = torch.tensor(math.inf, dtype=torch.float64)
         self.window_open,self.window_closed,self._discard,self.window_held = True,False,False,0
         self.window_pct = self._window_pct()
 
@@ -426,6 +426,10 @@ class GradientAccumulation(Callback):
 
     @property
     def _by_samples(self): return type(self.counter) is SampleCount
+    @property
+    def _checks_counts(self):
+        "Whether the counter's counts are checked at the step: a user's callable's; not this library's, valid as they are made"
+        return not getattr(self.counter, 'counts_valid', False)
 
     def _plan_for(self, dl)->WindowPlan|None:
         "The epoch's windows in `dl`, where its sizes are known ahead, with `drop_last` resolved against it (`None`: the loader's)"
