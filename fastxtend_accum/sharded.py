@@ -464,6 +464,7 @@ class _FullOpt:
     def load_state_dict(self, sd): self.opt.load_state_dict(part_opt_state(sd, opt_params(self.opt), self.layout))
 
 @patch
+@delegates(load_model)
 def load(self:Learner, file, device=None, **kwargs):
     "fastai's `Learner.load`; into a sharded model, every process reads the plain model's state and keeps its own shards"
     if not is_sharded(self.model): return _learner_load(self, file, device=device, **kwargs)

@@ -26,7 +26,7 @@ from fastxtend_accum.callback.microbatch import MicroBatching
 from fastxtend_accum.test_utils import digits_data, digits_mlp, Float64SmoothLoss, Samples
 
 # seconds a collective may wait before the run fails (gloo's default is 30 minutes); the machine may be loaded
-PG_TIMEOUT = int(os.environ.get('FXA_PG_TIMEOUT', 60))
+PG_TIMEOUT = int(os.environ.get('FXA_PG_TIMEOUT', 120))
 MICRO_BS,ACCUM_BS,N_TRAIN,N_VALID = 16,32,320,64 # 160 samples a process: 10 micro-batches, 5 windows of 32 an epoch
 MAX_NORM = 0.2 # below the gradient's norm on most steps here: clipping changes the run
 ADAM_LR,SGD_LR = 1e-2,0.1

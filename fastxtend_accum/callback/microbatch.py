@@ -88,6 +88,7 @@ class RowStates:
         awd = [] if c is None else [m for m in model.modules() if isinstance(m, c)]
         inside = {id(o) for m in awd for o in m.modules()}
         passes = tuple(c for c in map(_fastai_text, ('SequentialRNN', 'SentenceEncoder')) if c is not None) # `reset` goes to children
+        passes += (nn.DataParallel, nn.parallel.DistributedDataParallel) # as the `reset` fastai.distributed gives them does
         other = [m for m in model.modules() if callable(getattr(m, 'reset', None)) and id(m) not in inside and not isinstance(m, passes)]
         if other: raise ValueError(f"MicroBatching cannot split the batch of a model whose {type(other[0]).__name__} has `reset`: "
             "it carries a state from batch to batch, row by row, that MicroBatching only knows how to split for fastai's AWD_LSTM. "
