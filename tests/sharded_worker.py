@@ -227,6 +227,8 @@ CASES = ['fsdp2_adam', 'fsdp1_sgd', 'fsdp1_shardclip', 'fsdp1_adam', 'fsdp2_adam
 BEFORE_CASES = ['before_distrib_ctx', 'before_prepare', 'before_fastai_opt_fsdp1', 'before_clip_fsdp1']
 
 def main(out, cases):
+    import faulthandler, signal
+    faulthandler.register(signal.SIGTERM, all_threads=True) # a process torchrun ends shows where it waited
     torch.set_num_threads(1)
     fastai_distributed() # DistributedDL broadcasts the epoch's order on the CPU under gloo
     rank = int(os.environ['RANK'])
