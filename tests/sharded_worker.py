@@ -39,7 +39,10 @@ def default_dls(bs=MICRO_BS):
     "fastai's default loaders over digits: a shuffled training loader that drops its last partial batch"
     set_seed(0)
     trn,val = digits_samples()
-    return DataLoaders.from_dsets(trn, val, bs=bs, device='cpu')
+    # no worker processes (fastai starts one per CPU), as in ddp_worker.py: one full run of this file, on a loaded machine,
+    # hung with process 1 waiting in an all-gather that process 0 never joined; forking workers from a process that
+    # holds a gloo group is the likeliest cause we could not rule out (not reproduced in 20 runs since)
+    return DataLoaders.from_dsets(trn, val, bs=bs, device='cpu', num_workers=0)
 
 def opt_func(name):
     if name == 'sgd': return partial(SGD, mom=0.9, wd=1e-2),SGD_LR
