@@ -15,5 +15,6 @@ from .callback.schedule import *
 from .callback.loggers import *
 from .callback.microbatch import *
 from .distributed import *
+from .sharded import *
 # nbdev writes an empty `__all__` for a module that defines nothing, which would hide every name imported above
 globals().pop("__all__", None)
