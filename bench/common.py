@@ -1,6 +1,6 @@
 """What the benchmarks share: the data, the models, a loader that slices tensors, the machine's description, result files"""
 from __future__ import annotations
-import json, os, platform, statistics, sys, time
+import json, os, platform, socket, statistics, subprocess, sys, time
 from pathlib import Path
 import torch
 from torch import nn
@@ -127,3 +127,17 @@ def finish(name:str, res:dict, report, start:float, out:Path|str|None=None):
     print(f"wrote {path} and {path.with_suffix('.md')} ({res['seconds']:.0f} s)")
 
 def run_line(args)->str: return ' '.join([Path(sys.executable).name, *args])
+
+def free_port()->int:
+    "A TCP port free on 127.0.0.1, for a launcher's rendezvous"
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+def torchrun_worker(script:str, argv:list, threads:int, timeout:int=1800)->int:
+    "Run `script --worker *argv` on 2 processes under torchrun (no restarts, bounded by `timeout` seconds): its return code"
+    args = [a for a in argv if a != '--worker']
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max_restarts=0', '--master_addr=127.0.0.1',
+           f'--master_port={free_port()}', script, '--worker', *args]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS='ignore')
+    return subprocess.run(cmd, env=env, timeout=timeout).returncode

@@ -13,7 +13,7 @@ model over 1 MiB is sent in more than one bucket), and writes `results/distribut
 
 Run: `python bench/distributed.py` (it starts torchrun itself; `--quick` for a smoke test)."""
 from __future__ import annotations
-import argparse, contextlib, gc, io, os, socket, subprocess, sys, time
+import argparse, contextlib, gc, io, os, sys, time
 from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH)); sys.path.insert(0, str(BENCH.parent/'tests'))
@@ -108,11 +108,6 @@ def report(res)->tuple[str,str]:
                     '```', line, '```', '', f'- {check}'])
     return text,md
 
-def free_port()->int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--quick', action='store_true', help='a smoke test of a few seconds: 1 repetition, a smaller model')
@@ -131,10 +126,6 @@ def main(argv=None):
     a.n_train = a.n_train or (1024 if a.quick else 4096)
     a.hidden = a.hidden or (256 if a.quick else 1024)
     if a.worker: return worker(a)
-    args = [a for a in (argv if argv is not None else sys.argv[1:]) if a != '--worker']
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-           f'--master_port={free_port()}', __file__, '--worker', *args]
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONWARNINGS='ignore')
-    sys.exit(subprocess.run(cmd, env=env).returncode)
+    sys.exit(torchrun_worker(__file__, argv if argv is not None else sys.argv[1:], a.threads))
 
 if __name__ == '__main__': main()

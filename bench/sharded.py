@@ -18,7 +18,7 @@ reduce-scatter, DDP's `.grad`; DDP's bucket copy not included), the largest over
 
 Run: `python bench/sharded.py` (it starts torchrun itself; `--quick` for a smoke test)."""
 from __future__ import annotations
-import argparse, contextlib, gc, io, os, socket, subprocess, sys, time
+import argparse, contextlib, gc, io, os, sys, time
 from functools import partial
 from pathlib import Path
 BENCH = Path(__file__).resolve().parent
@@ -137,11 +137,6 @@ def report(res)->tuple[str,str]:
                     '```', *lines, '```', '', *[f'- {n}' for n in notes]])
     return text,md
 
-def free_port()->int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--quick', action='store_true', help='a smoke test of a few seconds: 1 repetition, a smaller model')
@@ -160,10 +155,6 @@ def main(argv=None):
     a.n_train = a.n_train or (512 if a.quick else 2048)
     a.hidden = a.hidden or (64 if a.quick else 512)
     if a.worker: return worker(a)
-    args = [a for a in (argv if argv is not None else sys.argv[1:]) if a != '--worker']
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max_restarts=0', '--master_addr=127.0.0.1',
-           f'--master_port={free_port()}', __file__, '--worker', *args]
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONWARNINGS='ignore')
-    sys.exit(subprocess.run(cmd, env=env, timeout=1800).returncode)
+    sys.exit(torchrun_worker(__file__, argv if argv is not None else sys.argv[1:], a.threads))
 
 if __name__ == '__main__': main()
