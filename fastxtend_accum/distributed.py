@@ -14,7 +14,7 @@ from fastai.data.load import DataLoader as FastaiDataLoader
 
 # %% auto #0
 __all__ = ['GRAD_SYNCS', 'split_loader', 'samples_per_process', 'default_world_size', 'check_grad_sync', 'WindowSync',
-           'ProcessGroupSync', 'DDPSync', 'FSDP1Sync', 'FSDP2Sync', 'window_sync']
+           'ProcessGroupSync', 'DDPSync', 'FSDP1Sync', 'FSDP2Sync', 'sharding_engine', 'window_sync']
 
 # %% ../nbs/distributed.ipynb #93c672cd
 def split_loader(dl, # A training loader
@@ -252,6 +252,15 @@ class FSDP2Sync(ProcessGroupSync):
         self._held = False
 
 # %% ../nbs/distributed.ipynb #63183b80
+def sharding_engine(model:nn.Module, # A model, as the Learner holds it
+                   )->str|None:
+    "'fsdp2' or 'fsdp1', the engine that shards `model`, or None for a model that is not sharded"
+    if FSDPModule is None: return None
+    for m in model.modules():
+        if isinstance(m, FSDPModule): return 'fsdp2'
+        if isinstance(m, FullyShardedDataParallel): return 'fsdp1'
+    return None
+
 def window_sync(model:nn.Module, # The model as the Learner holds it
                 grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': the engine's default
                )->WindowSync:
@@ -259,7 +268,7 @@ def window_sync(model:nn.Module, # The model as the Learner holds it
     if isinstance(model, DistributedDataParallel): return DDPSync(model, grad_sync)
     if FullyShardedDataParallel is not None and isinstance(model, FullyShardedDataParallel): return FSDP1Sync(model, grad_sync)
     if FSDPModule is not None and isinstance(model, FSDPModule): return FSDP2Sync(model, grad_sync)
-    if FSDPModule is not None and any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules()):
+    if sharding_engine(model) is not None:
         raise ValueError(f"The model's submodules are sharded but the model ({type(model).__name__}) is not: shard the root too "
                          "(`fully_shard(model)` after its blocks, or wrap it in `FullyShardedDataParallel`), as PyTorch's FSDP expects")
     return WindowSync(model, grad_sync)

@@ -22,12 +22,12 @@ try: # FSDP2 (`fully_shard`), DTensor and the distributed state dicts: PyTorch 2
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 except ImportError: FSDPModule = FullyShardedDataParallel = fully_shard = DTensor = None
 from .callback.recorder import fastai_method
-from .distributed import _reduce_device
+from .distributed import _reduce_device, sharding_engine
 
 # %% auto #0
-__all__ = ['ENGINES', 'is_sharded', 'shard_blocks', 'FSDP2Layout', 'FSDP1Layout', 'sharding_engine', 'layout_of', 'opt_params',
-           'full_opt_state', 'part_opt_state', 'full_model_state', 'broadcast_module_', 'shard_model', 'check_opt',
-           'ShardedTrainer', 'setup_sharded', 'clip_grad_norm']
+__all__ = ['ENGINES', 'is_sharded', 'shard_blocks', 'FSDP2Layout', 'FSDP1Layout', 'layout_of', 'opt_params', 'full_opt_state',
+           'part_opt_state', 'full_model_state', 'broadcast_module_', 'shard_model', 'check_opt', 'ShardedTrainer',
+           'setup_sharded', 'clip_grad_norm']
 
 # %% ../nbs/sharded.ipynb #a25dc962
 ENGINES = ('fsdp2', 'fsdp1')
@@ -35,7 +35,7 @@ ENGINES = ('fsdp2', 'fsdp1')
 def is_sharded(model:nn.Module, # A model, as the Learner holds it
               )->bool:
     "Whether `model` holds modules sharded by PyTorch's FSDP: FSDP2's `fully_shard` or FSDP1's `FullyShardedDataParallel`"
-    return FSDPModule is not None and any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+    return sharding_engine(model) is not None
 
 def _post_order(m:nn.Module):
     for c in m.children(): yield from _post_order(c)
@@ -152,15 +152,6 @@ class FSDP1Layout:
         coef = (max_norm/(total + 1e-6)).clamp(max=1.) # as nn.utils.clip_grad_norm_
         for g in parts+whole: g.mul_(coef.to(g))
         return total
-
-def sharding_engine(model:nn.Module, # A model, as the Learner holds it
-                   )->str|None:
-    "'fsdp2' or 'fsdp1', the engine that shards `model`, or None for a model that is not sharded"
-    if FSDPModule is None: return None
-    for m in model.modules():
-        if isinstance(m, FSDPModule): return 'fsdp2'
-        if isinstance(m, FullyShardedDataParallel): return 'fsdp1'
-    return None
 
 def layout_of(model:nn.Module, # A sharded model
              ):
