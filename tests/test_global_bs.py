@@ -30,8 +30,11 @@ def runs(tmp_path_factory):
     rank wrote, by case and world size, and the two-process launch's output"""
     out = tmp_path_factory.mktemp('global_bs')
     run([sys.executable, WORKER, str(out), '1', ','.join(ONE)])
+    # a 60 s process-group timeout (not ddp_worker's 20 s): rank 0 alone runs W&B's service in two cases, and on a loaded
+    # 2-core machine a process once waited 20 s for the other at a gradient all-reduce; a real hang still fails the launch,
+    # bounded by TIMEOUT
     stdout = run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-                  f'--master_port={free_port()}', WORKER, str(out), '2', ','.join(TWO)])
+                  f'--master_port={free_port()}', WORKER, str(out), '2', ','.join(TWO)], env=dict(ENV, FXA_PG_TIMEOUT='60'))
     res = {c: {1: [torch.load(out/f'{c}-w1-rank0.pt')]} for c in ONE}
     for c in TWO: res.setdefault(c, {})[2] = [torch.load(out/f'{c}-w2-rank{r}.pt') for r in range(2)]
     return res,stdout
