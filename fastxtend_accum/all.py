@@ -8,11 +8,12 @@ __all__ = []
 # %% ../nbs/all.ipynb #08850f45
 from fastai.basics import *
 from fastai.callback.schedule import * # the annealers (`SchedCos`...) that `GradientAccumulationSchedule` takes
-from .callback.recorder import *
+from .window import *
+from .plan import *
+from .patches import *
 from .normalize import *
 from .callback.gradaccum import *
 from .callback.schedule import *
-from .callback.loggers import *
 from .callback.microbatch import *
 from .distributed import *
 from .sharded import *

@@ -47,52 +47,44 @@ def check_grad_sync(grad_sync:str)->str:
     raise ValueError(f"`grad_sync` must be one of {', '.join(map(repr, GRAD_SYNCS))}, got {grad_sync!r}")
 
 class WindowSync:
-    """One process: the interface the window logic talks to, whatever the engine, with nothing to communicate.
-    Collectives per window: none."""
-    world_size,rank,sharded = 1,0,False
-    lockstep = False # whether every process must run as many forwards and backwards as the others (see `ProcessGroupSync`)
+    """One process: the engine interface the window logic talks to, whatever the engine, with nothing to communicate.
+    An engine's object holds its policy for a micro-batch (`micro_batch`) and the collectives the window needs
+    (`all_reduce`); the window's arithmetic is in `window`. Collectives per window: none."""
+    world_size,rank,sharded,device = 1,0,False,None
+    lockstep = False # whether every micro-batch communicates: each process must run as many forwards and backwards
     def __init__(self, model:nn.Module|None=None, # The model as the Learner holds it (wrapped, if it is)
                  grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': the engine's default
-                ):
-        self.model,self.grad_sync,self.items_per_sample = model,check_grad_sync(grad_sync),None
+                ): self.model,self.grad_sync = model,check_grad_sync(grad_sync)
 
-    def before_forward(self, closes:bool):
-        "Before a micro-batch's forward: let its backward communicate gradients as the engine's policy says (`closes`: the window's last)"
-    def after_backward(self):
-        "After the micro-batch (its backward, a cancel, or a dropped window): undo what `before_forward` set"
-    def reduce_by_hand(self):
-        "Average the held gradients over the processes, for a caller that ran every backward without communication"
     @contextlib.contextmanager
     def micro_batch(self, closes:bool):
-        "`before_forward(closes)`, then `after_backward()` however the micro-batch ends: for a caller that runs its own backward"
-        self.before_forward(closes)
-        try: yield
-        finally: self.after_backward()
+        "Hold the engine's policy for one micro-batch's forward and backward (`closes`: the window's last), however it ends"
+        with contextlib.ExitStack() as stack:
+            self._policy(stack, closes)
+            yield
+    def _policy(self, stack:contextlib.ExitStack, closes:bool):
+        "Enter on `stack` what the engine needs for a micro-batch: nothing on one process"
+    def needs_stand_in(self, closes:bool)->bool:
+        "Whether a micro-batch whose backward a callback cancelled must still run one, of zero gradient: never on one process"
+        return False
+    def reduce_by_hand(self):
+        "Average the held gradients over the processes, for a caller that ran every backward without communication"
 
+    @property
+    def reduce(self)->Callable|None:
+        "The in-place sum all-reduce that `window_totals` and `plans_agree` take: `None` on one process"
+        return None
+    def all_reduce(self, v:Tensor, op:str='SUM')->Tensor:
+        "`v` reduced over the processes, in place (one process: as it is)"
+        return v
     def sum(self, *vals)->Tensor:
         "`vals` (numbers or 0-d tensors) summed over the processes, as one float64 tensor"
-        v = torch.zeros(len(vals), dtype=torch.float64, device=getattr(self, 'device', None))
+        v = torch.zeros(len(vals), dtype=torch.float64, device=self.device)
         for i,o in enumerate(vals): v[i] = o
-        self._all_reduce(v)
-        return v
+        return self.all_reduce(v)
     def max(self, *vals:int)->list[int]:
         "`vals` (integers), each the largest over the processes"
-        v = torch.tensor(vals, dtype=torch.int64, device=getattr(self, 'device', None))
-        self._all_reduce(v, 'MAX')
-        return v.tolist()
-    def _all_reduce(self, v:Tensor, op:str='SUM'): pass
-
-    def totals(self, items, samples, loss)->tuple:
-        "The window's items, samples and loss over all processes (one process: its own, as they are)"
-        return items,samples,loss
-
-    def items_ref(self, window_bs:int, items, samples)->Tensor:
-        "Items expected in a window of `window_bs` samples: $\\rho$ for counts other than samples, from the window's first micro-batch"
-        return (items*window_bs/samples).clamp(min=1)
-
-    def check_windows(self, plan, n_iter:int, read_ahead:bool, unit:str='micro-batches')->tuple:
-        "The plan the epoch's windows follow, and whether windows close on a count summed over processes (one process: never)"
-        return plan,False
+        return self.all_reduce(torch.tensor(vals, dtype=torch.int64, device=self.device), 'MAX').tolist()
 
     def __repr__(self): return f'{type(self).__name__}(world_size={self.world_size}, grad_sync={self.grad_sync!r})'
 
@@ -102,12 +94,12 @@ def _reduce_device(group)->torch.device:
     return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend(group) == 'nccl' else torch.device('cpu')
 
 class ProcessGroupSync(WindowSync):
-    """What every engine over several processes shares: a window's counts and loss summed over the processes (one
-    all-reduce of 3 float64 numbers per window), a reference count $\\rho$ the same on every process, and a check, once per
-    epoch, that the processes' windows line up (one all-reduce of 2 integers per process) before any collective could differ.
+    """What every engine over several processes shares: the collectives the window needs, over the engine's processes.
+    Per window, `window_totals` sums its counts and loss (one all-reduce of 3 + R float64 numbers); per epoch,
+    `plans_agree` checks that the processes' windows line up (one all-reduce of 2 integers per process).
     `lockstep`: the engine communicates in every forward or backward (FSDP's all-gathers, say), so every process must run
-    as many micro-batches as the others in each window, or they would wait for each other forever (`MicroBatching` agrees
-    on its number of micro-batches with `max`: one all-reduce of one integer per batch)"""
+    as many micro-batches as the others; a micro-batch cancelled before its backward runs a stand-in of zero gradient
+    where the engine needs it (`needs_stand_in`)"""
     def __init__(self, model:nn.Module, # The model, wrapped by its engine
                  grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': the engine's default
                  group=None, # The processes the counts are summed over (None: all)
@@ -115,51 +107,18 @@ class ProcessGroupSync(WindowSync):
         super().__init__(model, grad_sync)
         self.group,self.device = group,_reduce_device(group)
         self.world_size,self.rank = dist.get_world_size(group),dist.get_rank(group)
-        self._ctx = None
 
-    def _all_reduce(self, v:Tensor, op:str='SUM'): dist.all_reduce(v, op=getattr(dist.ReduceOp, op), group=self.group)
-
-    def totals(self, items, samples, loss)->tuple:
-        "The window's items, samples and loss summed over the processes: one small all-reduce per step; the next window's $\\rho$ follows"
-        c,n,l = self.sum(items, samples, loss)
-        self.items_per_sample = c/n # the same on every process
-        return c,n,l
-
-    def items_ref(self, window_bs:int, items, samples)->Tensor:
-        "Items expected in a window of `window_bs` samples, the same on every process: $\\rho$ for counts other than samples"
-        if self.items_per_sample is None: # the fit's first micro-batch: its items per sample over all processes
-            c,n = self.sum(items, samples)
-            self.items_per_sample = c/n
-        return (self.items_per_sample*window_bs).clamp(min=1)
-
-    def check_windows(self, plan, n_iter:int, read_ahead:bool, unit:str='micro-batches')->tuple:
-        "The plan, if the processes' plans agree (`None` if not); raise, rather than hang, when their counts of `unit` differ"
-        key = (-1,) if plan is None else (-1 if plan.drop_from is None else plan.drop_from, *plan.starts)
-        v = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
-        v[0,self.rank],v[1,self.rank] = n_iter,hash(key) % 2**62 # tuples of ints hash the same in every process
-        dist.all_reduce(v, group=self.group) # every process's micro-batch count and plan, in one small all-reduce
-        counts,plans = v.tolist()
-        if len(set(counts)) > 1:
-            raise RuntimeError(f"The processes' training loaders give different numbers of {unit}, so their windows cannot "
-                               f"close together and {self.engine} would wait forever: " +
-                               ', '.join(f'process {r} has {n}' for r,n in enumerate(counts)) +
-                               "; share the samples out evenly, e.g. with fastai's DistributedDL or PyTorch's DistributedSampler")
-        if plan is None or len(set(plans)) > 1: return None,True # windows close on the samples counted over all processes
-        return plan,read_ahead # a plan read from a batch sampler's copy is checked on every micro-batch, by all processes
+    @property
+    def reduce(self)->Callable: return self.all_reduce
+    def all_reduce(self, v:Tensor, op:str='SUM')->Tensor:
+        dist.all_reduce(v, op=getattr(dist.ReduceOp, op), group=self.group)
+        return v
+    def needs_stand_in(self, closes:bool)->bool: return self.lockstep
 
     @property
     def engine(self)->str:
         "The engine's name, for messages"
         return type(self.model).__name__
-
-    def _enter(self, ctx):
-        "Enter the context manager `ctx` until `after_backward`, unless in one already"
-        if self._ctx is None: self._ctx = ctx; ctx.__enter__()
-    def after_backward(self):
-        "Leave the context `before_forward` entered, if any"
-        if self._ctx is not None:
-            ctx,self._ctx = self._ctx,None
-            ctx.__exit__(None, None, None)
 
     def __repr__(self): return f'{type(self).__name__}(world_size={self.world_size}, grad_sync={self.grad_sync!r}, device={self.device})'
 
@@ -167,20 +126,26 @@ class ProcessGroupSync(WindowSync):
 class DDPSync(ProcessGroupSync):
     """`DistributedDataParallel` (PyTorch's `no_sync`): gradients all-reduced once per window by default ('window' and
     'auto'), the window's other backwards run in `no_sync()`; 'micro_batch' all-reduces every backward (fastai's way).
-    Collectives per window: DDP's gradient all-reduce (one per bucket) once, plus `ProcessGroupSync`'s 3-number all-reduce"""
+    A window's closing micro-batch that a callback cancels before its backward runs a stand-in backward of zero gradient,
+    so that every process enters DDP's all-reduce of the window's gradient (and with 'micro_batch', every micro-batch).
+    Collectives per window: DDP's gradient all-reduce (one per bucket) once, plus `window_totals`'s all-reduce"""
     def __init__(self, ddp:DistributedDataParallel, # The model, as DistributedTrainer wraps it
                  grad_sync:str='auto', # 'window' (= 'auto') or 'micro_batch'
-                ): super().__init__(ddp, grad_sync, ddp.process_group)
+                ):
+        super().__init__(ddp, grad_sync, ddp.process_group)
+        # DDP broadcasts buffers (BatchNorm's statistics) in every forward: every micro-batch then communicates
+        self._buffers = bool(getattr(ddp, 'broadcast_buffers', False)) and any(True for _ in ddp.module.buffers())
 
     @property
     def lockstep(self)->bool:
         "With 'micro_batch' every backward all-reduces: every process must run as many as the others"
-        return self.grad_sync == 'micro_batch'
+        return self.grad_sync == 'micro_batch' or self._buffers
 
-    def before_forward(self, closes:bool):
-        "Skip DDP's all-reduce in the coming backward unless it `closes` the window"
+    def _policy(self, stack, closes:bool):
+        "Skip DDP's all-reduce in the micro-batch's backward unless it `closes` the window"
         # DDP decides at the forward whether the backward all-reduces: `no_sync` must be entered before it
-        if not closes and self.grad_sync != 'micro_batch': self._enter(self.model.no_sync())
+        if not closes and self.grad_sync != 'micro_batch': stack.enter_context(self.model.no_sync())
+    def needs_stand_in(self, closes:bool)->bool: return closes or self.lockstep
 
     def reduce_by_hand(self, bucket_bytes:int=25*2**20):
         "What DDP's synchronising backward does: average the gradients over the processes, in flat buckets"
@@ -204,7 +169,7 @@ class FSDP1Sync(ProcessGroupSync):
     reduce-scatters, so each process holds only its shard of the gradient; 'window' runs the window's other backwards in
     `no_sync()`, holding the unsharded gradient until the window's last backward reduce-scatters it.
     Collectives per window: one reduce-scatter per FSDP unit per backward (every micro-batch, or once with 'window'),
-    plus `ProcessGroupSync`'s 3-number all-reduce"""
+    plus `window_totals`'s all-reduce"""
     sharded = lockstep = True # every forward all-gathers the parameters
     def __init__(self, fsdp:nn.Module, # The model, wrapped in FullyShardedDataParallel
                  grad_sync:str='auto', # 'micro_batch' (= 'auto') or 'window'
@@ -213,9 +178,9 @@ class FSDP1Sync(ProcessGroupSync):
             raise ValueError("FSDP1's hybrid sharding is not supported: shard with FSDP2's `fully_shard` on a 2-D mesh (HSDP) instead")
         super().__init__(fsdp, grad_sync, fsdp.process_group)
 
-    def before_forward(self, closes:bool):
-        "With 'window', skip the reduce-scatter in the coming backward unless it `closes` the window"
-        if not closes and self.grad_sync == 'window': self._enter(self.model.no_sync())
+    def _policy(self, stack, closes:bool):
+        "With 'window', skip the reduce-scatter in the micro-batch's backward unless it `closes` the window"
+        if not closes and self.grad_sync == 'window': stack.enter_context(self.model.no_sync())
 
 # %% ../nbs/distributed.ipynb #3e31880b
 class FSDP2Sync(ProcessGroupSync):
@@ -224,7 +189,7 @@ class FSDP2Sync(ProcessGroupSync):
     window, on the window's last backward; 'window' skips both until the window's last backward (the unsharded gradient
     held); 'micro_batch' communicates in every backward.
     Collectives per window: one reduce-scatter per FSDP module per backward (once with 'window'), on HSDP one all-reduce
-    per module per window ('auto', 'window') or per backward ('micro_batch'), plus `ProcessGroupSync`'s 3-number all-reduce"""
+    per module per window ('auto', 'window') or per backward ('micro_batch'), plus `window_totals`'s all-reduce"""
     sharded = lockstep = True # every forward all-gathers the parameters
     def __init__(self, model:nn.Module, # The model, its root sharded with fully_shard
                  grad_sync:str='auto', # 'auto', 'micro_batch' or 'window'
@@ -235,21 +200,14 @@ class FSDP2Sync(ProcessGroupSync):
                              "pipeline parallelism beside it) is not supported: shard over every process")
         self.hsdp = self.mesh.ndim == 2
         super().__init__(model, grad_sync, None) # the mesh holds every process: counts are summed over the default group
-        self._held = False
 
-    def before_forward(self, closes:bool):
-        "Hold the coming backward's reduce-scatter ('window') or HSDP's all-reduce ('auto') unless it `closes` the window"
+    def _policy(self, stack, closes:bool):
+        "Hold the micro-batch's reduce-scatter ('window') or HSDP's all-reduce ('auto') unless it `closes` the window"
         if closes or self.grad_sync == 'micro_batch': return
         if self.grad_sync == 'window': self.model.set_requires_gradient_sync(False)
         elif self.hsdp: self.model.set_requires_all_reduce(False)
         else: return
-        self._held = True
-
-    def after_backward(self):
-        "Let FSDP2 communicate again, as it does outside our windows"
-        if not self._held: return
-        self.model.set_requires_gradient_sync(True) # also sets `requires_all_reduce`
-        self._held = False
+        stack.callback(self.model.set_requires_gradient_sync, True) # also sets `requires_all_reduce`: as outside windows
 
 # %% ../nbs/distributed.ipynb #63183b80
 def sharding_engine(model:nn.Module, # A model, as the Learner holds it

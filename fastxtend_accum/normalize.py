@@ -8,13 +8,14 @@ import functools, math, numbers, warnings
 from fastai.basics import *
 
 # %% auto #0
-__all__ = ['SampleCount', 'TokenCount', 'WeightedTargetCount', 'item_counter', 'check_count', 'check_counts', 'loss_denominator',
-           'auto_counter', 'AutoNormalize', 'auto_normalize']
+__all__ = ['SampleCount', 'TokenCount', 'WeightedTargetCount', 'LossSum', 'item_counter', 'check_count', 'check_counts',
+           'loss_denominator', 'loss_reduction', 'auto_counter', 'AutoNormalize', 'auto_normalize']
 
 # %% ../nbs/normalize.ipynb #76a64e9f
 class SampleCount:
     "Count the samples of a micro-batch: for losses that average over samples (fastai's default)"
     counts_valid = True # finite and non-negative as they are made: the callbacks need not check them
+    zero_nan = False # never a count of 0 with a loss of 0/0
     def __init__(self): pass # no parameters: `SampleCount()`
     def __call__(self, xb:tuple, yb:tuple)->int: return find_bs(yb)
     def __repr__(self): return 'SampleCount()'
@@ -23,6 +24,7 @@ class SampleCount:
 class TokenCount:
     "Count the targets that are not `ignore_index`: for losses that average over non-padding tokens"
     counts_valid = True # a count of targets: finite and non-negative, no check per window needed
+    zero_nan = False # all padding: PyTorch's cross-entropy gives zero gradients
     def __init__(self, ignore_index:int=-100): store_attr()
     def __call__(self, xb:tuple, yb:tuple)->Tensor: return (yb[0] != self.ignore_index).sum(dtype=torch.float64) # on device: no sync
     def __repr__(self): return f'TokenCount(ignore_index={self.ignore_index})'
@@ -40,6 +42,8 @@ class WeightedTargetCount:
         if not (torch.isfinite(weight).all() and (weight >= 0).all()): # one device sync, when the counter is made
             raise ValueError(f"class weights must be finite and non-negative to count by them, got {weight.tolist()}")
         store_attr()
+        # a micro-batch of zero-weight targets only has a loss of 0/0, whose gradient is NaN: the callbacks zero it
+        self.zero_nan = bool((weight == 0).any())
     def __call__(self, xb:tuple, yb:tuple)->Tensor|int:
         y = yb[0]
         if y.is_floating_point(): return y.numel()//y.shape[1] # class probabilities: the loss averages over positions
@@ -50,13 +54,21 @@ class WeightedTargetCount:
         return f'WeightedTargetCount(weight={w}, ignore_index={self.ignore_index})'
 
 # %% ../nbs/normalize.ipynb #f0f02ed5
+class LossSum:
+    "A loss that *sums* its terms (`reduction='sum'`): each micro-batch's loss is added as it is, the large batch's sum"
+    counts_valid,zero_nan,reduction = True,False,'sum'
+    def __init__(self): pass # no parameters: `LossSum()`
+    def __call__(self, xb:tuple, yb:tuple)->int: return find_bs(yb)
+    def __repr__(self): return 'LossSum()'
+
 def item_counter(normalize_by='auto'):
-    "The counter for `normalize_by`: `'samples'`, or a callable `(xb, yb) -> count` such as `TokenCount()`; `'auto'`: samples until the loss is read"
+    "The counter for `normalize_by`: `'samples'`, `'sum'`, or a callable `(xb, yb) -> count` such as `TokenCount()`; `'auto'`: samples until the loss is read"
     if isinstance(normalize_by, str) and normalize_by in ('auto', 'samples'): return SampleCount()
+    if isinstance(normalize_by, str) and normalize_by == 'sum': return LossSum()
     if isinstance(normalize_by, type): raise ValueError(f"`normalize_by` must be a counter instance, got the class "
                                                         f"{normalize_by.__name__}: pass `{normalize_by.__name__}()`")
     if callable(normalize_by): return normalize_by
-    raise ValueError(f"`normalize_by` must be 'auto', 'samples' or a callable (xb, yb) -> count such as TokenCount(), got {normalize_by!r}")
+    raise ValueError(f"`normalize_by` must be 'auto', 'samples', 'sum' or a callable (xb, yb) -> count such as TokenCount(), got {normalize_by!r}")
 
 # %% ../nbs/normalize.ipynb #971f532d
 def _bad_count(normalize_by, value): return ValueError(f"`normalize_by`={normalize_by!r} returned {value!r}: a micro-batch's "
@@ -64,7 +76,7 @@ def _bad_count(normalize_by, value): return ValueError(f"`normalize_by`={normali
 
 def check_count(normalize_by, c)->Tensor:
     "The count `c` that `normalize_by` returned for a micro-batch, as a float64 tensor (a tensor's value is checked at the step)"
-    if isinstance(c, Tensor) and c.numel() == 1 and c.dtype != torch.bool: # each op costs microseconds: only those needed
+    if isinstance(c, Tensor) and c.numel() == 1 and c.dtype != torch.bool and not c.is_complex(): # each op costs microseconds: only those needed
         if c.ndim: c = c.reshape(())
         return c if c.dtype == torch.float64 else c.to(torch.float64)
     if not isinstance(c, numbers.Real) or isinstance(c, (bool, np.bool_)) or not math.isfinite(c) or c < 0:
@@ -75,9 +87,11 @@ def check_counts(normalize_by, # The counter, named in the error
                  smallest:Tensor, # The smallest count of the window's micro-batches
                  total:Tensor, # The window's total count
                 ):
-    "Raise if a window's counts were negative, NaN or infinite: one device sync per window, instead of one per micro-batch"
+    "Raise if a window's counts were negative, NaN or infinite, or all 0: one device sync per window, instead of one per micro-batch"
     lo,tot = torch.stack([smallest, total.to(smallest.device)]).tolist()
     if not (lo >= 0 and math.isfinite(tot)): raise _bad_count(normalize_by, lo if not lo >= 0 else tot)
+    if tot == 0: raise ValueError(f"`normalize_by`={normalize_by!r} returned 0 for every micro-batch of a window: the loss "
+                                  "averages over nothing, and the step would be made of zero gradients")
 
 # %% ../nbs/normalize.ipynb #886cd3c9
 _CE_MODULES,_CE_FUNCTIONS = (nn.CrossEntropyLoss, nn.NLLLoss),(F.cross_entropy, F.nll_loss)
@@ -99,9 +113,19 @@ def loss_denominator(loss_func, # A Learner's loss
         return kw.get('weight'),kw.get('ignore_index', -100)
     return None
 
+def loss_reduction(loss_func, # A Learner's loss
+                  )->str|None:
+    "`'mean'`, `'sum'`... of PyTorch's own losses (modules, `torch.nn.functional` in a `partial`), in fastai's `BaseLoss` too; `None` if it cannot tell"
+    f = _loss_module(loss_func)
+    if isinstance(f, nn.modules.loss._Loss) and type(f).__module__ == 'torch.nn.modules.loss': return f.reduction
+    if isinstance(f, functools.partial) and not f.args and getattr(f.func, '__module__', None) == 'torch.nn.functional':
+        return f.keywords.get('reduction', 'mean')
+    return None
+
 def auto_counter(loss_func, # A Learner's loss
-                )->SampleCount|TokenCount|WeightedTargetCount:
-    "What `normalize_by='auto'` counts for `loss_func`: a cross-entropy's non-ignored targets (or their class weights), else samples"
+                )->SampleCount|TokenCount|WeightedTargetCount|LossSum:
+    "What `normalize_by='auto'` counts for `loss_func`: a cross-entropy's non-ignored targets (or their class weights), a sum as a sum, else samples"
+    if loss_reduction(loss_func) == 'sum': return LossSum()
     d = loss_denominator(loss_func)
     if d is None: return SampleCount()
     weight,ignore_index = d
@@ -135,12 +159,13 @@ class AutoNormalize:
         self.pending = False
         c = auto_counter(loss_func)
         if type(c) is SampleCount: self._watch(loss_func, yb)
-        elif repr(c) not in self.said and (type(c) is WeightedTargetCount or float(c(xb, yb)) != find_bs(yb)): # one sync
+        elif repr(c) not in self.said and (type(c) in (WeightedTargetCount, LossSum) or float(c(xb, yb)) != find_bs(yb)): # one sync
             self.said.add(repr(c))
-            what = 'the targets that are not' if type(c) is TokenCount else "the class weights of the targets that are not"
+            if type(c) is LossSum: what = "a loss that sums its terms (reduction='sum'): each micro-batch's loss is added as it is,"
+            else: what = 'what {} averages over, {} ignore_index={}:'.format(_loss_name(loss_func), 'the targets that are not'
+                if type(c) is TokenCount else 'the class weights of the targets that are not', c.ignore_index)
             if self.verbose and rank_distrib() == 0: # '\r': over a console progress bar's frame, not after it
-                print(f"\r{self.owner}: normalize_by='auto' counts what {_loss_name(loss_func)} averages over, {what} "
-                      f"ignore_index={c.ignore_index}: {c!r}")
+                print(f"\r{self.owner}: normalize_by='auto' counts {what} {c!r}")
         return c
 
     def _watch(self, loss_func, yb):

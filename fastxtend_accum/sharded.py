@@ -21,7 +21,7 @@ try: # FSDP2 (`fully_shard`), DTensor and the distributed state dicts: PyTorch 2
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 except ImportError: FSDPModule = FullyShardedDataParallel = fully_shard = DTensor = None
-from .callback.recorder import fastai_method
+from .patches import fastai_method
 from .distributed import _reduce_device, sharding_engine
 
 # %% auto #0

@@ -82,7 +82,7 @@ def local_counts_cls():
         "What DDP gives without the count sync: each process corrects by its own window's count, DDP averages the means"
         def _setup_sync(self): # DDP then all-reduces every micro-batch, which averages the same sums
             from fastxtend_accum.distributed import WindowSync
-            self.sync,self._count_globally = WindowSync(self.model),False
+            self.windows.sync,self.windows.count_globally = WindowSync(self.model),False
     return LocalCounts
 
 def bucket_batches(rank:int, start:int=0)->list[list[int]]:

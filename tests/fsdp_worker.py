@@ -186,7 +186,7 @@ class Measure(Callback):
     def after_step(self):
         from fastxtend_accum.callback.gradaccum import GradientAccumulation
         ga = next((cb for cb in self.learn.cbs if isinstance(cb, GradientAccumulation)), None)
-        self.steps.append(ga.n_samples if ga is not None else find_bs(self.learn.yb))
+        self.steps.append(ga.windows.window.samples if ga is not None else find_bs(self.learn.yb))
         self.epochs.append(self.epoch)
     def after_fit(self): self.collectives = CollectiveCounter.delta(self._c0, self.counter.snapshot())
 
@@ -240,7 +240,7 @@ def local_cls(cls):
     from fastxtend_accum.distributed import WindowSync
     class Local(cls):
         def _setup_sync(self): # GradientAccumulation: a one-process sync object; FSDP then reduce-scatters every backward
-            self.sync,self._count_globally = WindowSync(self.model),False
+            self.windows.sync,self.windows.count_globally = WindowSync(self.model),False
         def before_train(self):
             super().before_train()
             if not hasattr(cls, '_setup_sync'): self.sync = WindowSync(self.learn.model) # MicroBatching

@@ -54,7 +54,7 @@ class Deal(Callback):
     order = 7 # after the accumulation callback planned the epoch's windows (its order is 6), before the loader iterates
     def __init__(self, world:int): self.world = world
     def before_train(self):
-        from fastxtend_accum.callback.recorder import accum_callback
+        from fastxtend_accum.patches import accum_callback
         p,n = accum_callback(self.learn).plan,len(self.dl.dataset)
         ends = p.starts[1:] + [len(p.sizes) if p.drop_from is None else p.drop_from]
         pos,order = [r*(n//self.world) for r in range(self.world)],[]
@@ -69,7 +69,7 @@ class Probe(Callback):
     order = 7
     def __init__(self): self.steps,self.ws_fit,self.ws_train,self.wrapped_at_fit = [],None,[],None # a fit may stop before ours
     def before_fit(self):
-        from fastxtend_accum.callback.recorder import accum_callback
+        from fastxtend_accum.patches import accum_callback
         self.cb = accum_callback(self.learn)
         self.steps,self.ws_fit,self.ws_train = [],self.cb.world_size,[]
         self.wrapped_at_fit = type(self.model).__name__ # fastai's DistributedTrainer wraps it after this
@@ -84,7 +84,7 @@ class EpochsFor(Callback):
     order = 12 # after DistributedTrainer (11), where LRFinder (50) asks
     def __init__(self): self.n_epoch_for_10 = None
     def before_fit(self):
-        from fastxtend_accum.callback.recorder import accum_callback
+        from fastxtend_accum.patches import accum_callback
         self.n_epoch_for_10 = accum_callback(self.learn).epochs_for(10)
 
 def learner(case:str, world:int, rank:int, cbs:list)->Learner:

@@ -163,7 +163,7 @@ def test_sized_batch_sampler_is_planned(monkeypatch):
     accum = fit_seeded(sampler_learner(Buckets(N_TRAIN, sizes), [GradientAccumulation(64)]))
     assert accum.gradient_accumulation.plan is not None
     assert_same_training(large, accum) # also the sample order: planning drew no random number the loop would have used
-    import fastxtend_accum.callback.gradaccum as G
+    import fastxtend_accum.plan as G
     monkeypatch.setattr(G, 'sampler_sizes', lambda dl: None) # what a loader that cannot be read ahead gives
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
@@ -352,7 +352,7 @@ def test_does_not_divide_warns_once_with_size():
     (dict(accum_bs='64'), "`accum_bs` must be a positive integer, got '64'"),
     (dict(n_acc=0), '`n_acc` must be a positive integer, got 0'),
     (dict(n_acc=None), '`n_acc` must be a positive integer, got None'),
-    (dict(normalize_by='tokens'), "`normalize_by` must be 'auto', 'samples' or a callable"),
+    (dict(normalize_by='tokens'), "`normalize_by` must be 'auto', 'samples', 'sum' or a callable"),
     (dict(normalize_by=TokenCount), 'got the class TokenCount: pass `TokenCount()`'),
     (dict(accum_bs=64, n_acc=-1), '`n_acc` must be a positive integer, got -1'),
     (dict(drop_last='False'), "`drop_last` must be True or False or None, got 'False'"),

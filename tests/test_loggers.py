@@ -12,7 +12,7 @@ from fastai.callback.wandb import WandbCallback
 from fastai.callback.tensorboard import TensorBoardCallback
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.callback.schedule import GradientAccumulationSchedule
-import fastxtend_accum.callback.loggers  # the patches
+import fastxtend_accum.patches  # the patches
 from fastxtend_accum.test_utils import digits_learner
 
 # ---- reading an offline W&B run: the `.wandb` file is a LevelDB-style log of `wandb_internal_pb2.Record`s ----
@@ -67,7 +67,7 @@ class Windows(Callback):
     def after_batch(self):
         cb = self.learn.gradient_accumulation if hasattr(self.learn, 'gradient_accumulation') else self.gradient_accumulation_schedule
         if self.training and cb.window_closed:
-            self.rows.append(dict(epoch=self.epoch, iter=self.iter, n=cb.n_samples, loss=self.loss.item(),
+            self.rows.append(dict(epoch=self.epoch, iter=self.iter, n=cb.windows.window.samples, loss=self.loss.item(),
                                   time=time.perf_counter()-self.t0, n_iter=self.n_iter))
             self.t0 = None
 

@@ -63,7 +63,7 @@ def test_fixed_size_equals_large_batch(micro_bs, one_cycle, opt_func):
     large = fit(digits_learner(64, opt_func=opt_func), one_cycle=one_cycle)
     assert_same_training(large, micro)
     test_eq(micro.micro_batching.chosen_micro_bs, min(micro_bs, 64))
-    assert '_do_one_batch' not in micro.__dict__ # fastai's own loop is back after the fit
+    assert batch_taker(micro) is None # fastai's own loop is back after the fit
 
 def test_sizes_seen_by_the_model():
     "Micro-batches of at most `micro_bs`, the epoch's last batch (28) in equal halves; every sample once"
@@ -128,7 +128,7 @@ def test_does_not_fit_even_one_sample():
     with pytest.raises(torch.OutOfMemoryError, match='a training batch of 64 samples does not fit in memory even in micro-batches of 1 sample'):
         fit(learn, extra=MicroBatching('auto', verbose=False))
     assert no_grads(learn)
-    assert '_do_one_batch' not in learn.__dict__ # `fit(cbs=...)` removed the callback, and its override with it
+    assert batch_taker(learn) is None # `fit(cbs=...)` removed the callback, and its override with it
     learn.model[1].limit = None
     fit(learn, n_epoch=1)
     test_eq(len(learn.recorder.losses), 24) # fastai's loop, one record per batch
@@ -139,7 +139,7 @@ def test_fixed_size_oom_is_the_users_error():
     with pytest.raises(torch.OutOfMemoryError, match='simulated: 16 > 8'): fit(learn)
     assert no_grads(learn)
     learn.remove_cb(MicroBatching)
-    assert '_do_one_batch' not in learn.__dict__
+    assert batch_taker(learn) is None
 
 # --- 'fastest' ---
 
@@ -290,7 +290,7 @@ def test_cancel_batch_mid_way_leaves_no_gradients():
 def test_tensorboard_and_wandb_one_row_per_step(tmp_path, monkeypatch):
     "fastai's W&B and TensorBoard callbacks, with this library's patches, log once per batch: once per optimizer step"
     import wandb
-    import fastxtend_accum.callback.loggers # the library's adapters: patches of fastai's callbacks
+    import fastxtend_accum.patches # the library's adapters: patches of fastai's callbacks
     from fastai.callback.tensorboard import TensorBoardCallback
     from fastai.callback.wandb import WandbCallback
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -321,7 +321,7 @@ def test_lr_find_then_fit():
         res = learn.lr_find(num_it=20, show_plot=False)
     assert res.valley > 0
     assert all((p == s).all() for p,s in zip(learn.model.parameters(), start))
-    assert '_do_one_batch' not in learn.__dict__
+    assert batch_taker(learn) is None
     fit(learn)
     assert max_param_diff(learn, fit(digits_learner(64, opt_func=Adam))) < 1e-8
 
@@ -333,12 +333,12 @@ def test_export_load_learner(tmp_path):
         warnings.simplefilter('ignore')
         loaded = load_learner(tmp_path/'micro.pkl')
     test_eq(loaded.micro_batching.micro_bs, 'auto')
-    assert '_do_one_batch' not in loaded.__dict__
+    assert batch_taker(loaded) is None
 
 def test_with_gradient_accumulation_is_an_error():
     learn = digits_learner(16, cbs=[MicroBatching(8), GradientAccumulation(64)])
     with pytest.raises(ValueError, match='MicroBatching and GradientAccumulation both split the batch'): fit(learn)
-    assert '_do_one_batch' not in learn.__dict__
+    assert batch_taker(learn) is None
 
 def test_batchnorm_warns_once():
     with warnings.catch_warnings(record=True) as w:
@@ -356,7 +356,7 @@ def test_batchnorm_warns_once():
     (dict(micro_bs=True), "`micro_bs` must be a positive integer, 'auto' or 'fastest', got True"),
     (dict(n_timed=0), '`n_timed` must be a positive integer, got 0'),
     (dict(n_candidates=-1), '`n_candidates` must be a positive integer, got -1'),
-    (dict(normalize_by='tokens'), "`normalize_by` must be 'auto', 'samples' or a callable"),
+    (dict(normalize_by='tokens'), "`normalize_by` must be 'auto', 'samples', 'sum' or a callable"),
 ])
 def test_bad_input(kwargs, msg):
     with pytest.raises(ValueError, match=re.escape(msg)): MicroBatching(**kwargs)
@@ -528,7 +528,7 @@ def test_interrupted_fit_leaves_nothing_behind(exc, event, attached):
     try: fit(learn, n_epoch=1, extra=extra)
     except (KeyboardInterrupt, RuntimeError): pass
     assert no_grads(learn)
-    assert '_do_one_batch' not in learn.__dict__
+    assert batch_taker(learn) is None
     fresh = digits_learner(64, cbs=MicroBatching(16))
     fresh.model.load_state_dict(learn.model.state_dict())
     again = fit(learn, n_epoch=1, extra=None if attached else MicroBatching(16))
@@ -604,5 +604,5 @@ def test_other_stateful_models_are_refused():
     learn = digits_learner(64, cbs=MicroBatching(16))
     learn.model = Carry()
     with pytest.raises(ValueError, match='Carry has `reset`.*Use GradientAccumulation instead'): fit(learn, n_epoch=1)
-    assert no_grads(learn) and '_do_one_batch' not in learn.__dict__
+    assert no_grads(learn) and batch_taker(learn) is None
     fit(digits_learner(64, cbs=MicroBatching('auto')), n_epoch=1) # a batch that fits whole is never split: nothing to refuse

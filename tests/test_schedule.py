@@ -22,7 +22,7 @@ class WindowLog(Callback):
     def after_batch(self):
         cb = self.gradient_accumulation_schedule
         if self.training and cb.window_closed:
-            self.windows.append((self.epoch, self._first, cb.n_samples, cb.window_bs)); self._first = None
+            self.windows.append((self.epoch, self._first, cb.windows.window.samples, cb.windows.window_bs)); self._first = None
     def after_train(self): self._first = None
 
 def micro_sizes(n_train, mbs=MBS): return [mbs]*(n_train//mbs) + ([n_train%mbs] if n_train%mbs else [])

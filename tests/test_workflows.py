@@ -260,7 +260,7 @@ def test_two_accumulation_callbacks(a, b):
     msg = str(e.value)
     assert type(a).__name__ in msg and type(b).__name__ in msg, msg
     if isinstance(b, FastaiGradientAccumulation): assert "fastai's GradientAccumulation" in msg and "fastxtend_accum's" in msg
-    assert no_grads(learn) and '_do_one_batch' not in learn.__dict__
+    assert no_grads(learn) and batch_taker(learn) is None
     quiet(learn, lambda l: l.fit(1)) # the Learner trains on: only the callback passed to the fit was removed
 
 @pytest.mark.parametrize('make', [lambda: GradientAccumulation(64), lambda: MicroBatching(16)])
@@ -283,7 +283,8 @@ def test_import_order(mod):
     test_is(ours(f"from fastai.{mod}.all import *\nfrom fastxtend_accum.{mod}.all import *"), ga.GradientAccumulation)
     swapped = ours(f"from fastxtend_accum.all import *\nfrom fastai.{mod}.all import *") # fastai's, under the same name
     test_is(swapped, FastaiGradientAccumulation)
-    ga._fastai_ga_warned = False # the warning is once per process: start over
+    import fastxtend_accum.patches as patches
+    patches._fastai_ga_warned = False # the warning is once per process: start over
     learn = digits_learner(16, cbs=swapped(64))
     with warnings.catch_warnings(record=True) as w, learn.no_bar(), learn.no_logging():
         warnings.simplefilter('always')

@@ -4,17 +4,18 @@
 
 # %% ../../nbs/callback.microbatch.ipynb #02826560
 from __future__ import annotations
-import gc, sys, time, warnings
+import contextlib, gc, sys, time, warnings
 from itertools import accumulate
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
-from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
-from .gradaccum import GradientAccumulation, check_positive_int, check_bool, check_one_accumulation, check_one_learner, micro_batch_sizes
+from ..window import *
+from ..plan import *
+from ..patches import *
 from ..normalize import *
 from ..distributed import WindowSync, window_sync, check_grad_sync, split_loader
 
 # %% auto #0
-__all__ = ['split_sizes', 'next_micro_bs', 'slice_batch', 'RowStates', 'MicroBatching']
+__all__ = ['split_sizes', 'next_micro_bs', 'slice_batch', 'MixSplit', 'RowStates', 'MicroBatching']
 
 # %% ../../nbs/callback.microbatch.ipynb #83750b06
 def split_sizes(n:int, # Samples in the batch
@@ -50,20 +51,21 @@ def slice_batch(b, # A batch: tensors, in tuples, lists and dicts
     return b
 
 # %% ../../nbs/callback.microbatch.ipynb #8b4e29ff
-def _dist_on(): return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-def _all_reduce(vals:list, op:str, group=None, dtype=torch.int64)->list:
-    "All-reduce a few numbers across the processes of `group` (`op`: 'MIN' or 'MAX')"
-    dist = torch.distributed
-    dev = torch.device('cuda', torch.cuda.current_device()) if dist.get_backend(group) == 'nccl' else torch.device('cpu')
-    t = torch.tensor(vals, dtype=dtype, device=dev)
-    dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
-    return t.tolist()
-
 def _zero_loss(pred):
     "A loss of exactly 0 that still back-propagates through `pred`: for a micro-batch with no items to average over"
     ts = [t for t in (pred if is_listy(pred) else [pred]) if isinstance(t, Tensor) and t.requires_grad]
     return sum(t.sum() for t in ts)*0 if ts else None
+
+class MixSplit:
+    "fastai's `MixUp` and `CutMix` (any callback holding `yb1` and `lam`) mix the whole batch: their second targets and `lam`, per micro-batch"
+    def __init__(self, learn:Learner, n:int): # The Learner, and the samples of its batch
+        self.n,self.held = n,[(cb, cb.yb1, cb.lam) for cb in learn.cbs if 'yb1' in vars(cb) and 'lam' in vars(cb)]
+    def enter(self, a:int, b:int):
+        "Before the micro-batch of rows `a:b`: their rows of the second targets, and of `lam` where it has one per sample"
+        for cb,yb1,lam in self.held: cb.yb1,cb.lam = slice_batch(yb1, a, b, self.n),slice_batch(lam, a, b, self.n)
+    def restore(self):
+        "After the batch: the whole batch's, as `before_batch` made them"
+        for cb,yb1,lam in self.held: cb.yb1,cb.lam = yb1,lam
 
 # %% ../../nbs/callback.microbatch.ipynb #dfada5a7
 def _fastai_text(name:str):
@@ -117,11 +119,11 @@ class RowStates:
         for m,h in zip(self.mods, self.start): m.hidden,m.bs = h,self.n
 
 # %% ../../nbs/callback.microbatch.ipynb #64513368
-class MicroBatching(Callback):
+class MicroBatching(BatchSplitter):
     "Split every training batch into micro-batches that fit in memory, and step once with the exact gradient of the batch"
     order,run_valid = 0,False # it takes over the forward and backward of training batches; validation is fastai's own
     timer = staticmethod(time.perf_counter) # the clock 'fastest' times steps with
-    _learn,splits_batches = None,True
+    log_accum_batch,taking_batches = False,False # its batches are optimizer steps: fastai records them as they are
     def __init__(self,
         micro_bs:int|str='auto', # Micro-batch size, 'auto' (the largest that fits) or 'fastest'
         normalize_by:str|Callable='auto', # 'auto' (read the loss), 'samples', (xb, yb) -> count
@@ -141,20 +143,10 @@ class MicroBatching(Callback):
         self._auto = auto_normalize(normalize_by, type(self).__name__, self.verbose) # 'auto': read from each epoch's loss
         self._saved,self._mp,self.chosen_micro_bs,self.ooms,self.throughput = None,None,None,[],{}
 
-    @property
-    def learn(self):
-        "The `Learner` this callback is attached to; detaching it gives fastai's `_do_one_batch` back"
-        return self._learn
-    @learn.setter
-    def learn(self, learn):
-        check_one_learner(self, learn)
-        if learn is None and self._learn is not None: self._end_fit() # `remove_cb`, or the end of `fit(cbs=...)`, even when it raised
-        self._learn = learn
-
     def before_fit(self):
         "Take over the training batches' forward and backward; 'auto' and 'fastest' start again from the whole batch"
         check_one_accumulation(self) # another MicroBatching, or a GradientAccumulation (this library's or fastai's)
-        self._install()
+        self.taking_batches = True # `Learner.one_batch` (the patch layer) hands training batches to `train_batch`
         self.limit = self.micro_bs if isinstance(self.micro_bs, int) else None # largest micro-batch; `None`: the whole batch
         self.chosen_micro_bs,self.ref_bs,self.ooms,self.throughput,self.rho = None,None,[],{},None
         self._cands,self._warm,self._reported,self._warned,self._awd = None,False,None,False,None
@@ -169,7 +161,8 @@ class MicroBatching(Callback):
         if self.sync.world_size > 1: # a process with more batches than the others would step alone, and wait forever
             try: n = len(self.dl)
             except TypeError: n = None # a loader that cannot tell: its batches are counted as they come
-            if n is not None: self.sync.check_windows(None, n, False, unit='batches')
+            if n is not None: plans_agree(None, n, False, self.sync.reduce, self.sync.world_size, self.sync.rank, self.sync.device,
+                                          self.sync.engine, unit='batches')
         if self._auto is not None: self._auto.pending = True # read at the first batch, after every `before_train`
 
     def before_batch(self):
@@ -180,19 +173,20 @@ class MicroBatching(Callback):
             self.learn.n_iter = len(sizes)
 
     def after_fit(self):
-        "Give fastai's `_do_one_batch` back"
-        self._uninstall()
+        "Give the training batches back to fastai"
+        self.taking_batches = False
 
-    def _end_fit(self):
-        "However the fit ended: no gradients, no open autocast, fastai's `_do_one_batch` back"
+    def end_fit(self):
+        "However the fit ended: no gradients, no open autocast, the training batches back to fastai"
         if getattr(self, '_autocast_open', False): self._abandon()
         elif self._learn is not None: self._zero_grads()
-        self._uninstall()
+        self.taking_batches = False
 
-    def _do_one_batch(self):
+    def micro_batch(self): return contextlib.nullcontext() # the batch is counted where it is split
+    def train_batch(self):
         "fastai's `_do_one_batch` for a training batch, with the forward and backward done micro-batch by micro-batch"
         learn = self.learn
-        if learn is None or not learn.training or not len(learn.yb) or self not in learn.cbs: return self._fastai_do_one_batch()
+        if not len(learn.yb): return learn._do_one_batch()
         xb,yb = learn.xb,learn.yb
         if self._auto is not None and self._auto.pending: self.counter = self._auto.counter(learn.loss_func, xb, yb)
         n = find_bs(yb)
@@ -212,12 +206,12 @@ class MicroBatching(Callback):
             learn.xb,learn.yb,learn.pred,learn.loss,learn.loss_grad = xb,yb,None,None,None
             self._abandon(free=True)
             self._shrink(n, max(sizes))
-        preds,learn.loss = res
+        preds,learn.loss,w = res
         learn.xb,learn.yb = xb,yb
         learn.pred = (preds[0] if len(preds) == 1 else to_concat(preds)) if self.keep_pred else None
         try:
             if self._manual_sync: self.sync.reduce_by_hand()
-            self._over_processes(n)
+            self._over_processes(w)
             learn._with_events(learn._step, 'step', CancelStepException)
         except BaseException: self._zero_grads(); raise # interrupted in `before_step`/`after_step`: no gradient outlives the batch
         learn.opt.zero_grad()
@@ -232,21 +226,24 @@ class MicroBatching(Callback):
         return sizes
 
     def _micro_batches(self, xb, yb, sizes):
-        "Forward and backward each micro-batch with the weight items_i/rho; the predictions and the batch's loss"
+        "Forward and backward each micro-batch, weighted by the window's arithmetic; the predictions, the batch's loss and window"
         learn,n,k = self.learn,sum(sizes),len(sizes)
         # a micro-batch of size 0 (under an engine that needs as many on every process) runs the batch's first sample, weight 0
-        mbs = [(slice_batch(xb, a, b, n), slice_batch(yb, a, b, n)) if b > a else (slice_batch(xb, 0, 1, n), slice_batch(yb, 0, 1, n))
-               for a,b in zip(accumulate([0]+sizes[:-1]), accumulate(sizes))]
-        weighted = k > 1 or self.sync.world_size > 1 # one process, one micro-batch: fastai's loss as it is
-        counts = self._counts(mbs, sizes) if weighted else [None]
-        self._items = sum(counts) if weighted else None
-        self._rho = self._ref(self._items) if weighted else None
+        spans = [(a,b) if b > a else (0,1) for a,b in zip(accumulate([0]+sizes[:-1]), accumulate(sizes))]
+        mbs = [(slice_batch(xb, a, b, n), slice_batch(yb, a, b, n)) for a,b in spans]
+        # one process, one micro-batch: fastai's loss as it is; else the batch is a window (see `window`)
+        w = Window(n, getattr(self.counter, 'reduction', 'mean') == 'sum') if k > 1 or self.sync.world_size > 1 else None
+        counts = self._counts(mbs, sizes) if w is not None else [None]
+        if w is not None and not w.sum_reduced: w.ref = self._ref(sum(counts))
         if k > 1: self._check_bn()
         rows = self._row_states(n) if k > 1 else None # a recurrent model's state, handed to each micro-batch's rows
-        try: return self._run_micro_batches(mbs, sizes, counts, rows)
+        mix = MixSplit(learn, n) if k > 1 else None
+        try: return self._run_micro_batches(mbs, spans, sizes, counts, w, rows, mix)
         except BaseException:
             if rows is not None: rows.restore() # a retry starts from the state the batch started from
             raise
+        finally:
+            if mix is not None: mix.restore()
 
     def _ref(self, items)->float:
         "rho, what the micro-batches' weights c_i/rho divide by: the batch's items on one process; the same on every process"
@@ -254,24 +251,24 @@ class MicroBatching(Callback):
         if self.rho is None: self.rho = self.sync.sum(items)[0].item()/self.sync.world_size # the fit's first batch
         return max(self.rho, 1.) # the previous batch's items per process, summed over processes (`_over_processes`)
 
-    def _over_processes(self, n:int):
-        "Several processes: the batch's loss over all of them, and the engine's average of the gradients made their exact mean"
+    def _over_processes(self, w:Window|None):
+        "The batch's loss over all processes, and its gradient made the exact mean over what did backward (`window_totals`)"
         sync,learn = self.sync,self.learn
-        if sync.world_size == 1: return
-        c,_,l = sync.totals(self._items, n, self._loss_sum) # one all-reduce of 3 numbers per batch
-        c = c.item()
-        self.rho = c/sync.world_size # the next batch's rho: the same on every process
-        learn.loss = (l/c).to(learn.loss) # the loss of the global batch (every process's samples)
-        # sum_r sum_i (c_ri/rho) grad_ri, averaged over R processes by the engine, times R*rho/C: sum_r sum_i (c_ri/C) grad_ri
-        f = sync.world_size*self._rho/max(c, 1.) # a batch of padding only has zero gradients anyway
-        if f != 1: torch._foreach_mul_([p.grad for p in learn.model.parameters() if p.grad is not None], f)
+        if w is None: return
+        c,_,l = window_totals(w, window_key(self.epoch, self.iter), sync.reduce, sync.world_size, sync.rank, sync.device)
+        if sync.world_size > 1:
+            self.rho = float(c)/sync.world_size # the next batch's rho: the same on every process
+            learn.loss = w.loss(c, l).to(learn.loss) # the loss of the global batch (every process's samples)
+        scale = w.scale(sync.world_size, c)
+        if scale is not None: scale_grads([p.grad for p in learn.model.parameters() if p.grad is not None], scale)
 
-    def _run_micro_batches(self, mbs, sizes, counts, rows):
-        learn,n,k = self.learn,sum(sizes),len(sizes)
-        preds,loss_sum,rho = [],None,self._rho
+    def _run_micro_batches(self, mbs, spans, sizes, counts, w, rows, mix):
+        learn,k = self.learn,len(sizes)
+        preds = []
         for i,((mxb,myb),c) in enumerate(zip(mbs, counts)):
             learn.xb,learn.yb = mxb,myb # callbacks see the micro-batch they act on
-            if rows is not None: rows.enter(*((sum(sizes[:i]), sum(sizes[:i+1])) if sizes[i] else (0, 1)))
+            if rows is not None: rows.enter(*spans[i])
+            if mix is not None: mix.enter(*spans[i])
             with self.sync.micro_batch(closes=i == k-1 and not self._manual_sync):
                 if self._mp is not None and not self._autocast_open: self._mp.autocast.__enter__(); self._autocast_open = True
                 learn.pred = learn.model(*learn.xb)
@@ -280,18 +277,21 @@ class MicroBatching(Callback):
                 learn.loss = learn.loss_grad.clone()
                 learn('after_loss') # `MixedPrecision.after_loss` closes autocast
                 self._autocast_open = False
-                # the weight c_i/rho: the mean gradients of the micro-batches add up to rho/C times the mean gradient of the batch
-                # (one process: rho = C; several: `_over_processes` corrects by R*rho/C once the processes' C is summed)
-                if rho is not None: learn.loss_grad = learn.loss_grad*(c/rho) if c else _zero_loss(learn.pred)
-                if learn.loss_grad is not None: learn._with_events(learn._backward, 'backward', CancelBackwardException)
-            if rho is not None and c: loss_sum = (0 if loss_sum is None else loss_sum) + learn.loss.detach()*c
+                learn._with_events(partial(self._backward, w, c, sizes[i]), 'backward', CancelBackwardException)
             if self.keep_pred and sizes[i]: preds.append(to_detach(learn.pred, cpu=False, gather=False))
             if rows is not None and sizes[i]: rows.leave()
             if i < k-1: learn.pred = learn.loss_grad = None # free this micro-batch's output before the next forward
         if rows is not None: rows.carry_on() # the whole batch's state, row by row, for the next batch
-        self._loss_sum = 0. if loss_sum is None else loss_sum
-        if rho is None: return preds,learn.loss
-        return preds,(torch.zeros_like(learn.loss.detach()) if loss_sum is None else loss_sum/self._items)
+        if w is None: return preds,learn.loss,None
+        return preds,(w.loss() if w.samples else torch.zeros_like(learn.loss.detach())),w
+
+    def _backward(self, w:Window|None, c, size:int):
+        "The micro-batch's backward, of its loss weighted after every `before_backward` callback (a term they added too)"
+        learn = self.learn
+        if w is not None: # items_i/rho (1 for a loss that sums); no items: an exact 0 that still back-propagates
+            learn.loss_grad = learn.loss_grad*w.weight(c) if c else _zero_loss(learn.pred)
+        if learn.loss_grad is not None: learn._backward()
+        if w is not None and size: w.add_backward(size, c, learn.loss.detach())
 
     def _row_states(self, n:int)->RowStates|None:
         "The model's recurrent state, row by row, for a batch split in micro-batches: its modules are scanned once a fit"
@@ -313,10 +313,11 @@ class MicroBatching(Callback):
 
     def _all_fit(self, fits:bool, n:int, sizes:list)->bool:
         "Whether the batch fit on every process; when it did not, `_next` is the size all of them retry with"
-        agree = not isinstance(self.micro_bs, int) and _dist_on()
+        agree = not isinstance(self.micro_bs, int) and self.sync.world_size > 1
         self._next = (next_micro_bs(n, max(sizes)) or 0) if agree or not fits else None
         if not agree: return fits
-        fits,self._next = _all_reduce([int(fits), self._next], 'MIN') # one process out of memory: all of them retry
+        v = torch.tensor([int(fits), self._next], dtype=torch.int64, device=self.sync.device)
+        fits,self._next = self.sync.all_reduce(v, 'MIN').tolist() # one process out of memory: all of them retry
         return bool(fits)
 
     def _abandon(self, free:bool=False):
@@ -360,7 +361,8 @@ class MicroBatching(Callback):
         self._times.append(elapsed)
         if len(self._times) < self.n_timed: return
         secs = sum(self._times)
-        if _dist_on(): secs = _all_reduce([secs], 'MAX', dtype=torch.float64)[0] # the slowest process sets the pace
+        if self.sync.world_size > 1: # the slowest process sets the pace
+            secs = self.sync.all_reduce(torch.tensor([secs], dtype=torch.float64, device=self.sync.device), 'MAX').item()
         self.throughput[self._cands[self._ci]] = self.n_timed*self.ref_bs/secs
         self._ci,self._times,self._warm = self._ci+1,[],False
         if self._ci < len(self._cands): self.limit = self._cands[self._ci]
@@ -387,26 +389,10 @@ class MicroBatching(Callback):
     def _check_bn(self):
         if self._warned: return
         self._warned = True
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in self.learn.model.modules()):
+        if trains_batchnorm(self.learn.model):
             warnings.warn("The model has BatchNorm layers in training mode: their batch statistics come from each "
                           "micro-batch, not from the whole batch (consider `GroupNorm`/`LayerNorm`, or frozen BatchNorm)", stacklevel=3)
 
     def _zero_grads(self):
         for p in self._learn.model.parameters():
             if p.grad is not None: p.grad.zero_()
-
-    def _fastai_do_one_batch(self):
-        return self._saved() if self._saved is not None else type(self.learn)._do_one_batch(self.learn)
-
-    def _install(self):
-        d = self.learn.__dict__
-        if d.get('_do_one_batch') == self._do_one_batch: return
-        self._saved,d['_do_one_batch'] = d.get('_do_one_batch'),self._do_one_batch
-
-    def _uninstall(self):
-        if self._learn is None: return
-        d = self._learn.__dict__
-        if d.get('_do_one_batch') != self._do_one_batch: return
-        if self._saved is None: del d['_do_one_batch']
-        else: d['_do_one_batch'] = self._saved
-        self._saved = None

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math, numbers
 from fastai.basics import *
 from fastai.callback.schedule import ParamScheduler,SchedCos,SchedLin,SchedExp,SchedNo
+from ..window import *
+from ..plan import *
 from .gradaccum import *
 
 # %% auto #0
@@ -92,12 +94,12 @@ class GradientAccumulationSchedule(GradientAccumulation):
         ps = self._param_scheduler()
         if ps is not None and hasattr(ps, 'hps'): ps.hps['accum_bs'] = self.accum_bss # it hands its `hps` to the Recorder
 
-    def before_batch(self):
-        "Find the micro-batch size from the first micro-batch when no one stated it"
+    def _yielded(self):
+        "Find the micro-batch size from the first micro-batch when no one stated it, before its window opens"
         if self.micro_bs is None:
             self.micro_bs = find_bs(self.yb)
             self._check_sizes()
-        super().before_batch()
+        super()._yielded()
 
     def after_batch(self):
         "Record the window's size where the Recorder records lr: once per optimizer step, or per micro-batch"
@@ -129,7 +131,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         if self.micro_bs is None and sizes: # a batch sampler read ahead: its first micro-batch, as `before_batch` would find it
             self.micro_bs = sizes[0]
             self._check_sizes()
-        return WindowPlan(sizes, lambda i: self._per_process(self.accum_bs_at(self._pct(i, len(sizes)))), self._drop)
+        return WindowPlan(sizes, lambda i: self._per_process(self.accum_bs_at(self._pct(i, len(sizes)))), self.windows.drop)
 
     def _window_pct(self)->float:
         "Hyper-parameters follow the same clock as the size: training progress at the window's first micro-batch"
@@ -145,10 +147,10 @@ class GradientAccumulationSchedule(GradientAccumulation):
 
     def _unit(self)->int:
         "The step a window's size moves by: a micro-batch, on every process with `global_bs` (what the processes share exactly)"
-        return self.micro_bs*(self.world_size if self.global_bs else 1)
+        return self.micro_bs*(self.windows.world_size if self.global_bs else 1)
 
     def _check_sizes(self):
-        m,R,u = self.micro_bs,self.world_size,self._unit()
+        m,R,u = self.micro_bs,self.windows.world_size,self._unit()
         unit = f"the micro-batch size {m}" + (f" x {R} processes = {u} (global_bs=True)" if u != m else '')
         for name in ('start_accum_bs', 'final_accum_bs'):
             v = getattr(self, name)
