@@ -1,6 +1,6 @@
 """Run every benchmark in `bench/` and gather the results: `results/*.json`, `results/README.md`, the plots.
 
-Runs `overhead.py` and `memory.py`, then `distributed.py` and `sharded.py` where they exist and `microbatch_gpu.py` where it
+Runs `overhead.py`, `memory.py` and `precision.py`, then `distributed.py` and `sharded.py` where they exist and `microbatch_gpu.py` where it
 exists and CUDA is available, each in its own process (`--quick` is passed on to those that take it). Then writes `results/README.md`
 (the machine, a summary of the targets, each benchmark's table) and `results/overhead.png`, `results/memory.png`;
 `results/runs.json` keeps the machine and the runs, so that `--no-run` rebuilds the README and plots from the JSON files."""
@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import *
 
-SCRIPTS = ['overhead.py', 'memory.py', 'distributed.py', 'sharded.py', 'microbatch_gpu.py']
+SCRIPTS = ['overhead.py', 'memory.py', 'precision.py', 'distributed.py', 'sharded.py', 'microbatch_gpu.py']
 NEEDS_CUDA = {'microbatch_gpu.py'}
 
 def takes(script:Path, flag:str)->bool: return f"'{flag}'" in script.read_text() or f'"{flag}"' in script.read_text()

@@ -12,6 +12,7 @@ from .window import *
 from .plan import *
 from .patches import *
 from .normalize import *
+from .precision import *
 from .callback.gradaccum import *
 from .callback.schedule import *
 from .callback.microbatch import *

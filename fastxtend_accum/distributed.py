@@ -11,6 +11,7 @@ from fastai.basics import *
 try: from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 except ImportError: FSDPModule = FullyShardedDataParallel = None # a PyTorch without FSDP: its models cannot reach us
 from fastai.data.load import DataLoader as FastaiDataLoader
+from .precision import all_reduce_mean
 
 # %% auto #0
 __all__ = ['GRAD_SYNCS', 'split_loader', 'samples_per_process', 'default_world_size', 'check_grad_sync', 'WindowSync',
@@ -149,19 +150,9 @@ class DDPSync(ProcessGroupSync):
 
     def reduce_by_hand(self, bucket_bytes:int=25*2**20):
         "What DDP's synchronising backward does: average the gradients over the processes, in flat buckets"
-        ws = self.world_size
         for p in self.model.parameters(): # every process reduces the same list of tensors, used or not
             if p.requires_grad and p.grad is None: p.grad = torch.zeros_like(p)
-        grads,bucket,size = [p.grad for p in self.model.parameters() if p.requires_grad],[],0
-        def flush():
-            flat = torch._utils._flatten_dense_tensors(bucket)
-            dist.all_reduce(flat, group=self.group)
-            flat.div_(ws)
-            for g,f in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)): g.copy_(f)
-        for g in grads:
-            if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device or size >= bucket_bytes): flush(); bucket,size = [],0
-            bucket.append(g); size += g.numel()*g.element_size()
-        if bucket: flush()
+        all_reduce_mean([p.grad for p in self.model.parameters() if p.requires_grad], self.group, self.world_size, bucket_bytes)
 
 # %% ../nbs/distributed.ipynb #62e8e727
 class FSDP1Sync(ProcessGroupSync):

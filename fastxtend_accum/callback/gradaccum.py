@@ -14,6 +14,7 @@ from ..plan import _read_ahead
 from ..patches import *
 from ..normalize import *
 from ..distributed import *
+from ..precision import FloatGrads
 
 # %% auto #0
 __all__ = ['GradientAccumulation']
@@ -30,6 +31,7 @@ class GradientAccumulation(BatchSplitter):
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
         normalize_by:str|Callable='auto', # 'auto' (read the loss), 'samples', 'sum', (xb, yb) -> count
         grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
+        accum_dtype:torch.dtype|None=torch.float32, # Sum 16-bit parameters' windows in it; None: in p.grad
     ):
         n_acc = check_positive_int('n_acc', n_acc)
         self.accum_bs = check_size('accum_bs', n_acc if accum_bs is None else check_positive_int('accum_bs', accum_bs))
@@ -38,6 +40,7 @@ class GradientAccumulation(BatchSplitter):
         item_counter(normalize_by) # a bad value fails here, not in the fit
         self.normalize_by,self.grad_sync,self.windows = normalize_by,check_grad_sync(grad_sync),Windows()
         self.windows.auto = auto_normalize(normalize_by, type(self).__name__) # 'auto': the counter is read from each epoch's loss
+        self.accum_dtype,self.windows.fgrads = accum_dtype,FloatGrads(accum_dtype, type(self).__name__) # see `precision`
 
     # fit and epoch events
     def before_fit(self):
@@ -51,6 +54,7 @@ class GradientAccumulation(BatchSplitter):
         r.start_fit(default_world_size(), WindowSync())
         r.counter = item_counter(self.normalize_by)
         r.warned.discard('noplan') # said once per fit
+        r.fgrads.attach(self.model)
         self.accumulating = True
 
     def before_train(self):
@@ -85,7 +89,7 @@ class GradientAccumulation(BatchSplitter):
         learn,r = self.learn,self.windows
         self._yielded()
         try:
-            with r.sync.micro_batch(r.window.closes): yield
+            with r.sync.micro_batch(self._syncs): yield
         finally: # `TrainEvalCallback` added a micro-batch to the window's progress: add it to this micro-batch's instead
             learn.pct_train = r.mb_pct + 1./(learn.n_iter*learn.n_epoch)
 
@@ -133,6 +137,13 @@ class GradientAccumulation(BatchSplitter):
     @property
     def sync(self): return self.windows.sync
     @property
+    def fgrads(self)->FloatGrads: return self.windows.fgrads
+    @property
+    def _syncs(self)->bool:
+        "Whether the micro-batch's backward communicates the window's gradient: it closes it, and no float32 sum reduces by hand"
+        r = self.windows
+        return r.window.closes and not r.fgrads.reduces(r.sync)
+    @property
     def world_size(self)->int: return self.windows.world_size
     @property
     def n_steps(self)->int: return self.windows.n_steps
@@ -157,6 +168,7 @@ class GradientAccumulation(BatchSplitter):
         self._abandon_window()
         self.accumulating = False
         self.windows.sync = WindowSync()
+        self.windows.fgrads.detach()
 
     # where the loader yields a micro-batch
     def _yielded(self):
@@ -234,7 +246,7 @@ class GradientAccumulation(BatchSplitter):
         w = r.window
         if w is None or w.mb_done: return
         w.mb_done = True
-        if not w.backward_ran and r.sync.needs_stand_in(w.closes): self._stand_in()
+        if not w.backward_ran and r.sync.needs_stand_in(self._syncs): self._stand_in()
         if w.discard: return self._abandon_window() # `drop_last`, sizes not known ahead: the compute is done, drop it
         if w.closes: self._step_window()
 
@@ -258,7 +270,8 @@ class GradientAccumulation(BatchSplitter):
         if 'size' not in r.warned and self._overfilled(): self._warn_once('size', self._size_message(held))
         w.record = w.loss(c, l)
         scale = w.scale(sync.world_size, c)
-        if scale is not None: scale_grads(self._grads(), scale)
+        # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
+        if not r.fgrads.to_grads(scale, sync) and scale is not None: scale_grads(self._grads(), scale)
         w.done,w.stepped,w.held = True,True,held
         r.train_step += 1
         # `before_step` callbacks (clipping, fp16 unscaling, a user's guard) see the window's mean gradient; a
@@ -342,6 +355,7 @@ class GradientAccumulation(BatchSplitter):
                                          f"{self._per_process(self.accum_bs)} samples per process x {n} processes")
                 else: print(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "
                             f"{self.accum_bs*n} samples per optimizer step")
+        r.fgrads.check(r.sync)
         if r.sync.world_size == 1: r.count_globally = False; return
         # processes whose plans differ close windows on the global count; a plan read ahead is checked on every micro-batch
         n = len(self.dl) if r.plan is None else len(r.plan.sizes) # what this process yields, whatever `len` says
@@ -366,6 +380,7 @@ class GradientAccumulation(BatchSplitter):
         "Drop the open window's gradients, if any"
         r = self.windows
         if not r.open: return
+        r.fgrads.drop()
         if self._learn is not None:
             for g in self._grads(): g.zero_()
         r.window.done = True

@@ -13,6 +13,7 @@ from ..plan import *
 from ..patches import *
 from ..normalize import *
 from ..distributed import WindowSync, window_sync, check_grad_sync, split_loader
+from ..precision import FloatGrads
 
 # %% auto #0
 __all__ = ['split_sizes', 'next_micro_bs', 'slice_batch', 'MixSplit', 'RowStates', 'MicroBatching']
@@ -132,6 +133,7 @@ class MicroBatching(BatchSplitter):
         n_candidates:int=3, # 'fastest': sizes timed: the largest that fits, then one more part
         verbose:bool=True, # Print the micro-batch size chosen (and timings, 'fastest')
         grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
+        accum_dtype:torch.dtype|None=torch.float32, # Sum 16-bit parameters' batches in it; None: in p.grad
     ):
         if not (isinstance(micro_bs, str) and micro_bs in ('auto', 'fastest')):
             try: micro_bs = check_positive_int('micro_bs', micro_bs)
@@ -140,6 +142,7 @@ class MicroBatching(BatchSplitter):
         self.n_timed,self.n_candidates = check_positive_int('n_timed', n_timed),check_positive_int('n_candidates', n_candidates)
         self.keep_pred,self.verbose = check_bool('keep_pred', keep_pred),check_bool('verbose', verbose)
         self.grad_sync,self.sync = check_grad_sync(grad_sync),WindowSync()
+        self.accum_dtype,self.fgrads = accum_dtype,FloatGrads(accum_dtype, type(self).__name__) # see `precision`
         self._auto = auto_normalize(normalize_by, type(self).__name__, self.verbose) # 'auto': read from each epoch's loss
         self._saved,self._mp,self.chosen_micro_bs,self.ooms,self.throughput = None,None,None,[],{}
 
@@ -147,6 +150,7 @@ class MicroBatching(BatchSplitter):
         "Take over the training batches' forward and backward; 'auto' and 'fastest' start again from the whole batch"
         check_one_accumulation(self) # another MicroBatching, or a GradientAccumulation (this library's or fastai's)
         self.taking_batches = True # `Learner.one_batch` (the patch layer) hands training batches to `train_batch`
+        self.fgrads.attach(self.learn.model)
         self.limit = self.micro_bs if isinstance(self.micro_bs, int) else None # largest micro-batch; `None`: the whole batch
         self.chosen_micro_bs,self.ref_bs,self.ooms,self.throughput,self.rho = None,None,[],{},None
         self._cands,self._warm,self._reported,self._warned,self._awd = None,False,None,False,None
@@ -163,6 +167,7 @@ class MicroBatching(BatchSplitter):
             except TypeError: n = None # a loader that cannot tell: its batches are counted as they come
             if n is not None: plans_agree(None, n, False, self.sync.reduce, self.sync.world_size, self.sync.rank, self.sync.device,
                                           self.sync.engine, unit='batches')
+        self.fgrads.check(self.sync)
         if self._auto is not None: self._auto.pending = True # read at the first batch, after every `before_train`
 
     def before_batch(self):
@@ -175,12 +180,14 @@ class MicroBatching(BatchSplitter):
     def after_fit(self):
         "Give the training batches back to fastai"
         self.taking_batches = False
+        self.fgrads.detach()
 
     def end_fit(self):
         "However the fit ended: no gradients, no open autocast, the training batches back to fastai"
         if getattr(self, '_autocast_open', False): self._abandon()
         elif self._learn is not None: self._zero_grads()
         self.taking_batches = False
+        self.fgrads.detach()
 
     def micro_batch(self): return contextlib.nullcontext() # the batch is counted where it is split
     def train_batch(self):
@@ -210,7 +217,7 @@ class MicroBatching(BatchSplitter):
         learn.xb,learn.yb = xb,yb
         learn.pred = (preds[0] if len(preds) == 1 else to_concat(preds)) if self.keep_pred else None
         try:
-            if self._manual_sync: self.sync.reduce_by_hand()
+            if self._manual_sync and not self.fgrads.reduces(self.sync): self.sync.reduce_by_hand()
             self._over_processes(w)
             learn._with_events(learn._step, 'step', CancelStepException)
         except BaseException: self._zero_grads(); raise # interrupted in `before_step`/`after_step`: no gradient outlives the batch
@@ -254,13 +261,15 @@ class MicroBatching(BatchSplitter):
     def _over_processes(self, w:Window|None):
         "The batch's loss over all processes, and its gradient made the exact mean over what did backward (`window_totals`)"
         sync,learn = self.sync,self.learn
-        if w is None: return
+        if w is None: return self.fgrads.to_grads(None, sync) # one process, one micro-batch: a 16-bit model's sums, rounded
         c,_,l = window_totals(w, window_key(self.epoch, self.iter), sync.reduce, sync.world_size, sync.rank, sync.device)
         if sync.world_size > 1:
             self.rho = float(c)/sync.world_size # the next batch's rho: the same on every process
             learn.loss = w.loss(c, l).to(learn.loss) # the loss of the global batch (every process's samples)
         scale = w.scale(sync.world_size, c)
-        if scale is not None: scale_grads([p.grad for p in learn.model.parameters() if p.grad is not None], scale)
+        # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
+        if not self.fgrads.to_grads(scale, sync) and scale is not None:
+            scale_grads([p.grad for p in learn.model.parameters() if p.grad is not None], scale)
 
     def _run_micro_batches(self, mbs, spans, sizes, counts, w, rows, mix):
         learn,k = self.learn,len(sizes)
@@ -269,7 +278,7 @@ class MicroBatching(BatchSplitter):
             learn.xb,learn.yb = mxb,myb # callbacks see the micro-batch they act on
             if rows is not None: rows.enter(*spans[i])
             if mix is not None: mix.enter(*spans[i])
-            with self.sync.micro_batch(closes=i == k-1 and not self._manual_sync):
+            with self.sync.micro_batch(closes=i == k-1 and not self._manual_sync and not self.fgrads.reduces(self.sync)):
                 if self._mp is not None and not self._autocast_open: self._mp.autocast.__enter__(); self._autocast_open = True
                 learn.pred = learn.model(*learn.xb)
                 learn('after_pred')
@@ -394,5 +403,6 @@ class MicroBatching(BatchSplitter):
                           "micro-batch, not from the whole batch (consider `GroupNorm`/`LayerNorm`, or frozen BatchNorm)", stacklevel=3)
 
     def _zero_grads(self):
+        self.fgrads.drop()
         for p in self._learn.model.parameters():
             if p.grad is not None: p.grad.zero_()

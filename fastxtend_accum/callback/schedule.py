@@ -55,6 +55,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
         normalize_by:str|Callable='auto', # 'auto' (read the loss), 'samples', (xb, yb) -> count
         grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
+        accum_dtype:torch.dtype|None=torch.float32, # Sum 16-bit parameters' windows in it; None: in p.grad
     ):
         start_accum_bs = check_positive_int('start_accum_bs', start_accum_bs)
         final_accum_bs = check_positive_int('final_accum_bs', final_accum_bs)
@@ -68,7 +69,8 @@ class GradientAccumulationSchedule(GradientAccumulation):
             raise ValueError(f"`schedule` must be called as `schedule(start, end)`, like `SchedCos`: {schedule!r} raised {e}") from None
         for p in (0., 0.5, 1.): _check_sched_value(schedule, p, sched(p)) # a bad size now, not mid-fit
         super().__init__(start_accum_bs, global_bs=global_bs, log_accum_batch=log_accum_batch, drop_last=drop_last,
-                         normalize_by=normalize_by, grad_sync=grad_sync)
+                         normalize_by=normalize_by, grad_sync=grad_sync,
+                         accum_dtype=accum_dtype)
         store_attr('start_accum_bs,final_accum_bs,start,finish,schedule,micro_batch_size')
         self.sched,self.micro_bs,self.accum_bss = sched,micro_batch_size,[]
 
