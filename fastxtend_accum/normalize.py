@@ -16,6 +16,7 @@ class SampleCount:
     "Count the samples of a micro-batch: for losses that average over samples (fastai's default)"
     counts_valid = True # finite and non-negative as they are made: the callbacks need not check them
     zero_nan = False # never a count of 0 with a loss of 0/0
+    samples = True # the window's weights are known ahead: accum_bs is its count
     def __init__(self): pass # no parameters: `SampleCount()`
     def __call__(self, xb:tuple, yb:tuple)->int: return find_bs(yb)
     def __repr__(self): return 'SampleCount()'

@@ -281,7 +281,7 @@ def _run_case(spec:dict, case:str, out:str, rank:int, world:int, counter:Collect
     torch.save(dict(params=full_params(learn.model), losses=[float(o) for o in learn.recorder.losses], steps=measure.steps,
                     step_epochs=measure.epochs,
                     n_backward=measure.n_backward, collectives=measure.collectives, peak_grad_bytes=measure.peak,
-                    held=measure.held, sync=repr(cb.sync)), path)
+                    held=measure.held, sync=repr(getattr(cb, "windows", cb).sync)), path)
 
 def main(out:str, cases:list[str]):
     torch.set_num_threads(1)

@@ -71,9 +71,9 @@ class Probe(Callback):
     def before_fit(self):
         from fastxtend_accum.patches import accum_callback
         self.cb = accum_callback(self.learn)
-        self.steps,self.ws_fit,self.ws_train = [],self.cb.world_size,[]
+        self.steps,self.ws_fit,self.ws_train = [],self.cb.windows.world_size,[]
         self.wrapped_at_fit = type(self.model).__name__ # fastai's DistributedTrainer wraps it after this
-    def before_train(self): self.ws_train.append((self.cb.world_size, self.cb.sync.world_size, type(self.model).__name__))
+    def before_train(self): self.ws_train.append((self.cb.windows.world_size, self.cb.windows.sync.world_size, type(self.model).__name__))
     def after_batch(self):
         if self.training and self.cb.window_closed:
             self.steps.append((self.epoch, self.cb.held_bs, float(self.opt.hypers[-1]['lr'])))

@@ -51,7 +51,7 @@ class GradientAccumulation(BatchSplitter):
         r = self.windows
         # the processes the fit trains over, known before fastai's `DistributedTrainer` wraps the model: sizes are planned
         # from here on (lr_find's epochs, a schedule's checks); `before_train` checks it against the engine's
-        r.start_fit(default_world_size(), WindowSync())
+        r.start_fit(default_world_size(), WindowSync(), self.global_bs)
         r.counter = item_counter(self.normalize_by)
         r.warned.discard('noplan') # said once per fit
         r.fgrads.attach(self.model)
@@ -89,7 +89,7 @@ class GradientAccumulation(BatchSplitter):
         learn,r = self.learn,self.windows
         self._yielded()
         try:
-            with r.sync.micro_batch(self._syncs): yield
+            with r.sync.micro_batch(r.syncs): yield
         finally: # `TrainEvalCallback` added a micro-batch to the window's progress: add it to this micro-batch's instead
             learn.pct_train = r.mb_pct + 1./(learn.n_iter*learn.n_epoch)
 
@@ -135,16 +135,7 @@ class GradientAccumulation(BatchSplitter):
         "What the micro-batches' items are counted by (what `normalize_by='auto'` read)"
         return self.windows.counter
     @property
-    def sync(self): return self.windows.sync
-    @property
     def fgrads(self)->FloatGrads: return self.windows.fgrads
-    @property
-    def _syncs(self)->bool:
-        "Whether the micro-batch's backward communicates the window's gradient: it closes it, and no float32 sum reduces by hand"
-        r = self.windows
-        return r.window.closes and not r.fgrads.reduces(r.sync)
-    @property
-    def world_size(self)->int: return self.windows.world_size
     @property
     def n_steps(self)->int: return self.windows.n_steps
     @property
@@ -183,8 +174,8 @@ class GradientAccumulation(BatchSplitter):
         learn.pct_train = r.window_pct # every micro-batch trains with the hyper-parameters of the window's first
         w = r.window
         # counts other than samples stay on the device (no sync), in float64 so that weights and correction cancel exactly
-        r.mb_items = n if self._by_samples else check_count(self.normalize_by, r.counter(learn.xb, learn.yb))
-        if r.rate is None and r.sync.world_size > 1 and not self._by_samples: # the fit's first micro-batch, on every process
+        r.mb_items = n if r.by_samples else check_count(self.normalize_by, r.counter(learn.xb, learn.yb))
+        if r.rate is None and r.sync.world_size > 1 and not r.by_samples: # the fit's first micro-batch, on every process
             c,m = r.sync.sum(r.mb_items, n)
             r.rate = c/m # items per sample over all processes: the first window's rho, the same everywhere
         if r.plan is not None and n != r.plan.sizes[learn.iter] and not r.count_globally:
@@ -207,7 +198,7 @@ class GradientAccumulation(BatchSplitter):
         self._check_bn(n)
         r.i_window += 1
         bs = self._window_bs()
-        r.window_bs,r.window_gbs,r.n_global = self._per_process(bs),self._over_processes(bs),0
+        r.window_bs,r.window_gbs,r.n_global = self.windows.per_process(bs),self.windows.over_processes(bs),0
         r.window = Window(r.window_bs, sum_reduced=getattr(r.counter, 'reduction', 'mean') == 'sum')
         r.window_pct = self._window_pct()
 
@@ -230,16 +221,16 @@ class GradientAccumulation(BatchSplitter):
         "The micro-batch's backward, of its loss weighted after every `before_backward` callback (a term they added too)"
         learn,r = self.learn,self.windows
         w = r.window
-        if w.ref is None and not w.sum_reduced: w.ref = self._window_ref()
+        if w.ref is None and not w.sum_reduced: w.ref = r.ref()
         c = r.mb_items
         wt = w.weight(c)
         lg = learn.loss_grad
         if isinstance(wt, Tensor): learn.loss_grad = lg*wt.to(lg.dtype) # loss_i * items_i/rho, on the device: no sync
         elif wt != 1: learn.loss_grad = lg*wt
-        if self._guards_zero: self._zero_guard(c)
+        if r.guards_zero: self._zero_guard(c)
         learn._backward()
         w.add_backward(r.mb_samples, c, learn.loss.detach())
-        if self._checks_counts: w.items_min = c if w.items_min is None else torch.minimum(w.items_min, c) # checked at the step
+        if r.checks_counts: w.items_min = c if w.items_min is None else torch.minimum(w.items_min, c) # checked at the step
 
     def _end_micro_batch(self):
         "Once per micro-batch, after its backward or its cancel: a stand-in backward where the engine needs one, then the window's step"
@@ -247,7 +238,7 @@ class GradientAccumulation(BatchSplitter):
         w = r.window
         if w is None or w.mb_done: return
         w.mb_done = True
-        if not w.backward_ran and r.sync.needs_stand_in(self._syncs): self._stand_in()
+        if not w.backward_ran and r.sync.needs_stand_in(r.syncs): self._stand_in()
         if w.discard: return self._abandon_window() # `drop_last`, sizes not known ahead: the compute is done, drop it
         if w.closes: self._step_window()
 
@@ -263,12 +254,12 @@ class GradientAccumulation(BatchSplitter):
         learn,r = self.learn,self.windows
         w,sync = r.window,r.sync
         if sync.world_size == 1 and not w.samples: return self._abandon_window() # every micro-batch was cancelled
-        if self._checks_counts and not w.sum_reduced: check_counts(self.normalize_by, w.items_min, w.items) # one sync per step
-        if w.ref is None and not w.sum_reduced: w.ref = self._window_ref() # no backward ran here: the same rho as elsewhere
+        if r.checks_counts and not w.sum_reduced: check_counts(self.normalize_by, w.items_min, w.items) # one sync per step
+        if w.ref is None and not w.sum_reduced: w.ref = r.ref() # no backward ran here: the same rho as elsewhere
         c,held,l = window_totals(w, window_key(self.epoch, r.i_window), sync.reduce, sync.world_size, sync.rank, sync.device)
         if not held: return self._abandon_window() # over all processes, every micro-batch was cancelled
         if sync.world_size > 1 and not w.sum_reduced: r.rate = c/held # the next window's rho: the same on every process
-        if 'size' not in r.warned and self._overfilled(): self._warn_once('size', self._size_message(held))
+        if 'size' not in r.warned and r.overfilled(): self._warn_once('size', r.size_message(held))
         w.record = w.loss(c, l)
         scale = w.scale(sync.world_size, c)
         # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
@@ -294,51 +285,13 @@ class GradientAccumulation(BatchSplitter):
         "Samples the window opening now should hold, as `accum_bs` counts them (a schedule changes it between windows)"
         return self.accum_bs
 
-    def _per_process(self, bs:int)->int:
-        "Samples each process adds to a window of `bs` (as `accum_bs` counts them): with `global_bs`, its share, rounded up"
-        # a window closes at the first micro-batch that reaches the share: with equal micro-batches, where the global count
-        # first reaches `bs` (ceil(ceil(bs/R)/m) = ceil(bs/(R*m)))
-        return -(-bs//self.windows.world_size) if self.global_bs else bs
-
-    def _over_processes(self, bs:int)->int:
-        "Samples over all processes of a window of `bs` (as `accum_bs` counts them)"
-        return bs if self.global_bs else bs*self.windows.world_size
-
-    def _overfilled(self)->bool:
-        "Whether the window closed past its target: micro-batches that do not divide it (over all processes with `global_bs`)"
-        r = self.windows
-        if r.count_globally: return r.n_global > r.window_gbs
-        s = r.window.seen
-        return s > r.window_bs or (s == r.window_bs and r.window_bs*r.world_size > r.window_gbs)
-
-    def _size_message(self, held)->str:
-        "The one-time message for windows that close past their target, with the global and per-process sizes over processes"
-        r = self.windows
-        R,seen = r.world_size,r.window.seen
-        if R == 1 or not (self.global_bs or r.count_globally):
-            return (f"Micro-batches of {r.mb_samples} samples do not divide accum_bs={r.window_bs}: windows close at "
-                    f"{seen} samples, and each step uses the mean gradient over its window")
-        target = (f"accum_bs={r.window_gbs} over {R} processes (global_bs=True: {r.window_bs} per process)" if self.global_bs
-                  else f"accum_bs={r.window_bs} per process x {R} processes = {r.window_gbs}")
-        mbs = ("The processes' micro-batches" if r.count_globally
-               else f"Micro-batches of {r.mb_samples} samples on each of {R} processes")
-        per = '' if r.count_globally else f" ({seen} per process)"
-        return (f"{mbs} do not divide {target}: windows close at {int(held)} samples over all processes{per}, and each step "
-                "uses the mean gradient over its window")
-
-    def _window_ref(self):
-        "rho, what the window's weights divide by: `accum_bs` for samples, else the items expected, from its first micro-batch"
-        r = self.windows
-        if self._by_samples: return r.window_bs
-        return window_ref(r.window_bs, r.mb_items, r.mb_samples, r.rate)
-
     def _plan_for(self, dl)->WindowPlan|None:
         "The epoch's windows in `dl`, where its sizes are known ahead, with `drop_last` resolved against it (`None`: the loader's)"
         self.windows.drop = loader_drop_last(dl) if self.drop_last is None else self.drop_last
         sizes = micro_batch_sizes(dl)
         return None if sizes is None else self._plan(sizes)
 
-    def _plan(self, sizes:list[int])->WindowPlan: return WindowPlan(sizes, self._per_process(self.accum_bs), self.windows.drop)
+    def _plan(self, sizes:list[int])->WindowPlan: return WindowPlan(sizes, self.windows.per_process(self.accum_bs), self.windows.drop)
 
     # the engine
     def _setup_sync(self):
@@ -353,7 +306,7 @@ class GradientAccumulation(BatchSplitter):
             r.world_size = n = r.sync.world_size
             if n > 1 and r.sync.rank == 0:
                 if self.global_bs: print(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per optimizer step (global_bs=True) = "
-                                         f"{self._per_process(self.accum_bs)} samples per process x {n} processes")
+                                         f"{self.windows.per_process(self.accum_bs)} samples per process x {n} processes")
                 else: print(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "
                             f"{self.accum_bs*n} samples per optimizer step")
         r.fgrads.check(r.sync)
@@ -387,18 +340,6 @@ class GradientAccumulation(BatchSplitter):
         r.window.done = True
 
     def _grads(self): return [p.grad for p in self._learn.model.parameters() if p.grad is not None]
-
-    # what the counter is
-    @property
-    def _by_samples(self): return type(self.windows.counter) is SampleCount
-    @property
-    def _checks_counts(self):
-        "Whether the counter's counts are checked at the step: a user's callable's; not this library's, valid as they are made"
-        return not getattr(self.windows.counter, 'counts_valid', False)
-    @property
-    def _guards_zero(self):
-        "Whether a micro-batch's count can be 0 with a loss of 0/0 (zero class weights; a user's counter)"
-        return getattr(self.windows.counter, 'zero_nan', True)
 
     # said once
     def _check_bn(self, n:int|None=None):

@@ -127,7 +127,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         if self.micro_bs is None and sizes: # a batch sampler read ahead: its first micro-batch, as `before_batch` would find it
             self.micro_bs = sizes[0]
             self._check_sizes()
-        return WindowPlan(sizes, lambda i: self._per_process(self.accum_bs_at(self._pct(i, len(sizes)))), self.windows.drop)
+        return WindowPlan(sizes, lambda i: self.windows.per_process(self.accum_bs_at(self._pct(i, len(sizes)))), self.windows.drop)
 
     def _window_pct(self)->float:
         "Hyper-parameters follow the same clock as the size: training progress at the window's first micro-batch"
