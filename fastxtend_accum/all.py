@@ -18,5 +18,8 @@ from .callback.schedule import *
 from .callback.microbatch import *
 from .distributed import *
 from .sharded import *
+from .failfast import *
+from .dealing import *
+from .resume import *
 # nbdev writes an empty `__all__` for a module that defines nothing, which would hide every name imported above
 globals().pop("__all__", None)

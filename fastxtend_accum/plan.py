@@ -71,6 +71,8 @@ def _sizes(n:int, bs:int, drop:bool)->list[int]: return [bs]*(n//bs) + ([n%bs] i
 
 def micro_batch_sizes(dl)->list[int]|None:
     "Size of each micro-batch `dl` yields in an epoch in this process, where its length, batch size and `drop_last` tell them ahead"
+    dealt = getattr(dl, 'window_dealt_sizes', None) # `dealing.WindowDealtDL`: the order dealt window by window
+    if callable(dealt): return dealt()
     whole = split_loader(dl)
     if whole is not None: # fastai's `DistributedDL`: this process's slice of the epoch, batched by the loader it wraps, whose
         # own sizes must be known; `len(dl)` rounds the whole loader's up to a multiple of the world size, so it is no check

@@ -25,9 +25,9 @@ from .patches import fastai_method
 from .distributed import _reduce_device, sharding_engine
 
 # %% auto #0
-__all__ = ['ENGINES', 'is_sharded', 'shard_blocks', 'FSDP2Layout', 'FSDP1Layout', 'layout_of', 'opt_params', 'full_opt_state',
-           'part_opt_state', 'full_model_state', 'broadcast_module_', 'shard_model', 'check_opt', 'ShardedTrainer',
-           'setup_sharded', 'clip_grad_norm']
+__all__ = ['ENGINES', 'is_sharded', 'tied_params', 'split_ties', 'shard_blocks', 'FSDP2Layout', 'FSDP1Layout', 'layout_of',
+           'opt_params', 'full_opt_state', 'part_opt_state', 'full_model_state', 'broadcast_module_', 'shard_model',
+           'check_opt', 'ShardedTrainer', 'setup_sharded', 'clip_grad_norm']
 
 # %% ../nbs/sharded.ipynb #a25dc962
 ENGINES = ('fsdp2', 'fsdp1')
@@ -40,6 +40,30 @@ def is_sharded(model:nn.Module, # A model, as the Learner holds it
 def _post_order(m:nn.Module):
     for c in m.children(): yield from _post_order(c)
     yield m
+
+def tied_params(model:nn.Module, # A model
+               )->list[list[str]]:
+    "Parameters that more than one module holds (tied weights): the names of each, as `named_parameters` would give them"
+    names = {}
+    for mn,m in model.named_modules(remove_duplicate=False):
+        for pn,p in m.named_parameters(recurse=False): names.setdefault(id(p), []).append(f'{mn}.{pn}' if mn else pn)
+    return [ns for ns in names.values() if len(ns) > 1]
+
+def _modules_at(model, paths): return [model.get_submodule(p) for p in paths]
+
+def split_ties(model:nn.Module, # A model
+               blocks:list[nn.Module], # Blocks to shard on their own
+              )->list[tuple]:
+    "`(block path, tied names inside it, names outside)` for each block that holds some, not all, of a tied parameter's holders"
+    ties,res = tied_params(model),[]
+    if not ties: return res
+    paths = {}
+    for n,m in model.named_modules(remove_duplicate=False): paths.setdefault(id(m), []).append(n)
+    for b in blocks:
+        for ns in ties:
+            inside = [n for n in ns if any(n.startswith(f'{p}.') for p in paths[id(b)])]
+            if 0 < len(inside) < len(ns): res.append((paths[id(b)][0], inside, [n for n in ns if n not in inside]))
+    return res
 
 def shard_blocks(model:nn.Module, # The model to shard
                  policy=None, # None (children with parameters), module classes, or m -> bool
@@ -55,7 +79,15 @@ def shard_blocks(model:nn.Module, # The model to shard
     for m in _post_order(model):
         if m is model or id(m) in seen or not pick(m) or not any(True for _ in m.parameters()): continue
         seen.add(id(m)); blocks.append(m)
-    return blocks
+    split = split_ties(model, blocks)
+    if split and policy is not None:
+        path,inside,outside = split[0]
+        raise ValueError(f"`{inside[0]}` and `{outside[0]}` are one parameter (tied weights), and the policy shards `{path}` as a "
+            f"block of its own without `{outside[0].rpartition('.')[0] or 'the root'}`: FSDP needs every module that holds a "
+            "parameter in one block. Pick a block that holds them all, or none of them (they then go with the block around "
+            "them, or the root, as the default policy=None does), or untie them. Nothing was sharded")
+    drop = {id(b) for b in blocks if any(b is m for m in _modules_at(model, [p for p,_,_ in split]))}
+    return [b for b in blocks if id(b) not in drop] # the default: tied modules join the block around them (or the root)
 
 # %% ../nbs/sharded.ipynb #d42dd371
 class _Part:
@@ -307,6 +339,7 @@ class ShardedTrainer(Callback):
         names = {id(p): n for n,p in plain.named_parameters()}
         if opt is not None and not all(id(p) in names for p in opt_params(opt)):
             raise ValueError("The optimizer holds parameters that are not the model's: they cannot be sharded with it")
+        shard_blocks(plain, self.policy) # tied weights a policy splits: refused before anything changes
         if self.sync_module_states: broadcast_module_(plain)
         model = shard_model(plain, self.policy, self.engine, **self.kwargs)
         layout = layout_of(model)

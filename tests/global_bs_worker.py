@@ -7,9 +7,9 @@ one process, as in a user's script run with `python`), and writes to `OUT/<case>
 compares between one and two processes: the optimizer steps of each epoch, the samples each step held over all processes
 (`held_bs`, what the Recorder, W&B and TensorBoard log), the lr of each step, the parameters, and the one-time messages.
 
-Cases whose name ends in `_dealt` train on an unshuffled loader: on two processes, fastai's `DistributedDL` gives each
-process a contiguous half of it; on one process, `Deal` orders the samples so that each window holds what the two
-processes' windows hold together (as `test_distributed.global_order` does), so the weights must be the same."""
+Cases whose name ends in `_dealt` train on an unshuffled loader: on two processes, the library deals its order window by
+window (`dealing.WindowDealtDL`), so each window holds the samples one process's window holds, and the weights must be the
+same (before the dealing, one process reordered its samples to match fastai's contiguous halves)."""
 import os, sys, warnings
 import torch, torch.nn as nn, torch.distributed as dist
 from fastai.basics import *
@@ -48,22 +48,6 @@ class Dealt(FastaiDataLoader):
     order = None
     def get_idxs(self): return list(self.order) if self.order is not None else super().get_idxs()
 
-class Deal(Callback):
-    """On one process, order the epoch's samples so that each window holds what `world` processes' windows hold together:
-    process r's window w is the w-th slice of the r-th contiguous share of the loader (fastai's `DistributedDL`)"""
-    order = 7 # after the accumulation callback planned the epoch's windows (its order is 6), before the loader iterates
-    def __init__(self, world:int): self.world = world
-    def before_train(self):
-        from fastxtend_accum.patches import accum_callback
-        p,n = accum_callback(self.learn).plan,len(self.dl.dataset)
-        ends = p.starts[1:] + [len(p.sizes) if p.drop_from is None else p.drop_from]
-        pos,order = [r*(n//self.world) for r in range(self.world)],[]
-        for s,e in zip(p.starts, ends):
-            k = sum(p.sizes[s:e])//self.world # each process's share of the window
-            for r in range(self.world): order += range(pos[r], pos[r]+k); pos[r] += k
-        assert sorted(order) == list(range(n)), 'the windows do not deal the samples out evenly'
-        self.dl.order = order
-
 class Probe(Callback):
     "What the test reads: world sizes at before_fit and before_train, and each optimizer step's epoch, samples and lr"
     order = 7
@@ -98,7 +82,6 @@ def learner(case:str, world:int, rank:int, cbs:list)->Learner:
         trn = Samples(trn[rank*n//2:(rank+1)*n//2])
     if case.endswith('_dealt'):
         dls = DataLoaders(Dealt(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
-        if world == 1: cbs = cbs + [Deal(2)]
     else:
         set_seed(0)
         dls = DataLoaders.from_dsets(trn, val, bs=bs, device='cpu')

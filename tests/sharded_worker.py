@@ -78,6 +78,13 @@ class ShardClip(GradientClip):
     "fastai's GradientClip as it was: `clip_grad_norm_` on the parameters this process holds (under FSDP1, its own parts)"
     def before_step(self): nn.utils.clip_grad_norm_(self.parameters(), self.max_norm, self.norm_type)
 
+def tied_mlp():
+    "An MLP with tied weights: layers 0 and 2 share one 64x64 matrix (as an embedding and the output layer share theirs)"
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10)).double()
+    m[2].weight = m[0].weight
+    return m
+
 def learner(opt='adam', bs=MICRO_BS, cbs=(), model=None, dls=None):
     of,lr = opt_func(opt)
     return Learner(dls or default_dls(bs), model or digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=of, lr=lr,
@@ -180,6 +187,19 @@ def run_case(case, out, rank):
         learn.path = Path(out)/'user1'
         learn.save('end')
         return torch.save(dict(batches=learn.seen.batches), os.path.join(out, f'{case}-rank{rank}.pt'))
+    elif case in ('tied_fsdp2', 'tied_fsdp1'): # tied weights, the default policy: the two holders join the root's block
+        learn = learner('adam' if case == 'tied_fsdp2' else 'sgd', cbs=[GradientAccumulation(ACCUM_BS)], model=tied_mlp())
+        with learn.sharded_ctx(engine=case[-5:]): fit(learn, 2)
+        res['still_tied'] = learn.model[0].weight is learn.model[2].weight
+    elif case == 'tied_refused': # a policy that shards each Linear apart splits the tied pair: refused before anything changes
+        learn = learner('sgd', cbs=[GradientAccumulation(ACCUM_BS)], model=tied_mlp())
+        model,before = learn.model,snapshot(learn)['params']
+        try:
+            with learn.sharded_ctx(policy=nn.Linear): fit(learn, 1)
+        except ValueError as e: res['error'] = str(e)
+        res['untouched'] = learn.model is model and all(torch.equal(p, q) for p,q in zip(before, snapshot(learn)['params']))
+        res['group_after'] = dist.is_initialized() # an error every process raised: the group stays (failfast)
+        return torch.save(res, os.path.join(out, f'{case}-rank{rank}.pt'))
     elif case.startswith('before_'): return run_before(case, out, rank)
     else: raise ValueError(case)
     res.update(snapshot(learn), batches=learn.seen.batches, opt=opt_state(learn))
@@ -227,6 +247,7 @@ CASES = ['fsdp2_adam', 'fsdp1_sgd', 'fsdp1_shardclip', 'fsdp1_adam', 'fsdp2_adam
          'user_fsdp1_by_hand']
 # 'ctx_starts_group' runs in a launch of its own: a default group started again after one ended reuses its name, and so
 # its keys in torchrun's store, and a process may read the ended group's address (gloo then times out connecting)
+TIED_CASES = ['tied_fsdp2', 'tied_fsdp1', 'tied_refused'] # tied weights, in a launch of their own
 BEFORE_CASES = ['before_distrib_ctx', 'before_prepare', 'before_fastai_opt_fsdp1', 'before_clip_fsdp1']
 
 def main(out, cases):

@@ -70,7 +70,7 @@ def test_same_steps_samples_and_lr(runs, case):
 
 @pytest.mark.parametrize('case', [c for c in TRAINED if c.endswith('_dealt')])
 def test_same_global_windows_same_weights(runs, case):
-    "On the same global windows (one process's loader deals them out as the two processes' windows hold them), the same weights"
+    "On the same global windows (the two processes' windows are dealt from one process's order, `dealing`), the same weights"
     res,_ = runs
     (one,),(r0,r1) = res[case][1],res[case][2]
     d = max(float((p-q).abs().max()) for p,q in zip(r0['params'], one['params']))

@@ -63,7 +63,7 @@ def global_fits(ranks_batches):
         out.append((samples, EpochWindows(epochs)))
     return out
 
-def reference(res, opt='adam', n_epochs=(2,), cbs=(), with_save=False, path=None):
+def reference(res, opt='adam', n_epochs=(2,), cbs=(), with_save=False, path=None, model=None):
     "One process, no sharding, no accumulation, stepping once per global window, fit after fit; snapshots after each fit"
     from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
     of,lr = W.opt_func(opt)
@@ -73,7 +73,7 @@ def reference(res, opt='adam', n_epochs=(2,), cbs=(), with_save=False, path=None
         dls = DataLoaders(torch.utils.data.DataLoader(samples, batch_sampler=sampler),
                           W.FastaiDataLoader(val, bs=W.MICRO_BS, device='cpu'), device='cpu')
         if learn is None:
-            learn = Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=of, lr=lr, cbs=[Float64SmoothLoss()] + list(cbs))
+            learn = Learner(dls, model or digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=of, lr=lr, cbs=[Float64SmoothLoss()] + list(cbs))
             if path is not None: learn.path = path
         else: learn.dls = dls
         extra = SaveModelCallback(fname='best', with_opt=True) if with_save else None
@@ -229,3 +229,28 @@ def test_before_gradient_clip_on_fsdp1(before):
     print(f'before, GradientClip on FSDP1, first step: each process clips by the norm of its part, {l0[0]:.3g} and {l1[0]:.3g}, '
           f'where the whole gradient has {w0[0]:.3g}')
     assert abs(l0[0] - w0[0]) > 0.01
+
+# ---- tied weights (issue 24)
+@pytest.fixture(scope='module')
+def tied(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp('tied'), W.TIED_CASES)
+
+@pytest.mark.parametrize('case,opt', [('tied_fsdp2', 'adam'), ('tied_fsdp1', 'sgd')])
+def test_tied_weights_default_policy(tied, case, opt):
+    """Layers 0 and 2 share one weight: the default policy keeps both in the root's block, and the run equals one process
+    (no sharding) on the same global windows; after the fit the user's model is plain and still tied"""
+    _,snaps = reference(tied[case], opt, (2,), model=W.tied_mlp())
+    for r in tied[case]:
+        check_plain(r)
+        d,o = max_diff(r['params'], snaps[0][0]),opt_diff(r['opt'], snaps[0][1])
+        print(f'{case}: max |param diff| vs one process on the global windows {d:.3g}, optimizer state {o:.3g}')
+        assert max(d, o) < 1e-8 and r['still_tied']
+    start = list(W.tied_mlp().parameters())
+    assert max_diff(tied[case][0]['params'], start) > 1e-3 # it trained
+
+def test_tied_weights_split_by_a_policy_are_refused(tied):
+    "A policy that shards each Linear apart would split the pair: refused before anything is sharded, saying how to fix it"
+    for r in tied['tied_refused']:
+        assert ("`0.weight` and `2.weight` are one parameter (tied weights), and the policy shards `0` as a block of its own "
+                "without `2`") in r['error'], r['error']
+        assert 'Nothing was sharded' in r['error'] and r['untouched'] and r['group_after']

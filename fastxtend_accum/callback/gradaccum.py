@@ -15,6 +15,7 @@ from ..patches import *
 from ..normalize import *
 from ..distributed import *
 from ..precision import FloatGrads
+from ..dealing import deal_windows
 
 # %% auto #0
 __all__ = ['GradientAccumulation']
@@ -32,8 +33,10 @@ class GradientAccumulation(BatchSplitter):
         normalize_by:str|Callable='auto', # 'auto' (read the loss), 'samples', 'sum', (xb, yb) -> count
         grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
         accum_dtype:torch.dtype|None=torch.float32, # Sum 16-bit parameters' windows in it; None: in p.grad
+        deal_windows:bool=True, # global_bs on several processes: deal fastai's epoch order window by window (see dealing)
     ):
         n_acc = check_positive_int('n_acc', n_acc)
+        self.deal_windows = check_bool('deal_windows', deal_windows)
         self.accum_bs = check_size('accum_bs', n_acc if accum_bs is None else check_positive_int('accum_bs', accum_bs))
         self.n_acc,self.log_accum_batch = n_acc,check_bool('log_accum_batch', log_accum_batch)
         self.global_bs,self.drop_last = check_bool('global_bs', global_bs),check_bool('drop_last', drop_last, none_ok=True)
@@ -61,6 +64,7 @@ class GradientAccumulation(BatchSplitter):
         "Plan the epoch's windows from the loader's micro-batch sizes, where they are known ahead"
         r = self.windows
         self._drop_open_window(self.epoch-1) # an epoch cut short (`CancelEpochException`) skips `after_train`
+        deal_windows(self) # the same windows on any number of processes (see `dealing`)
         r.plan = self._plan_for(self.dl)
         if r.auto is not None: r.auto.pending = True # read at the first micro-batch, after every `before_train`
         r.i_window,r.skipped_tail = -1,False

@@ -1,0 +1,60 @@
+"""One process of a script whose fit raises on one of its processes, started by `test_failfast.py` with torchrun (gloo, CPU):
+`python -m torch.distributed.run --nproc_per_node=N tests/failfast_worker.py OUT CASE FAIL_RANK`.
+
+Every process trains a float64 MLP on digits with `GradientAccumulation(64, global_bs=True)` under `distrib_ctx`; at its 6th
+micro-batch, process FAIL_RANK raises `ValueError`. CASE `caught`: its script catches the error and goes on to
+`dist.barrier()`, as a script that logs the error and waits for the others does; `uncaught`: the error ends it. Each process
+writes `OUT/rank<r>.json` the moment its fit ends: when (`time.time()`), with what error, and what the barrier did after.
+FAIL_RANK -1: every process raises (an error all of them meet): each keeps its own, and the process group stays, so the
+script's barrier passes; then a second fit fails on process 1 only, as in `caught`."""
+import json, os, sys, time
+import torch, torch.nn as nn, torch.distributed as dist
+from datetime import timedelta
+from fastai.basics import *
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import ddp_worker as W
+
+class Fail(Callback):
+    "Raise on process `rank` at micro-batch `at` of the first epoch, and note the time"
+    def __init__(self, rank, at, out): self.rank,self.at,self.out = rank,at,out
+    def before_batch(self):
+        if self.training and self.iter == self.at and self.rank in (-1, dist.get_rank()):
+            with open(self.out + 'failed_at', 'w') as f: f.write(repr(time.time()))
+            raise ValueError(f'a bad batch at micro-batch {self.at} on process {dist.get_rank() if self.rank == -1 else self.rank}')
+
+def write(out, rank, **res):
+    with open(f'{out}rank{rank}.json', 'w') as f: json.dump(res, f)
+
+def main(out, case, fail_rank):
+    torch.set_num_threads(1)
+    W.fastai_distributed()
+    dist.init_process_group('gloo', timeout=timedelta(seconds=W.PG_TIMEOUT))
+    import fastxtend_accum.all # noqa: F401 (the library's `Learner.fit`)
+    if fail_rank == -1:
+        fit_and_wait(out, 'all', -1, prefix='all-')
+        fail_rank = 1
+    fit_and_wait(out, case, fail_rank)
+
+def fit_and_wait(out, case, fail_rank, prefix=''):
+    rank = dist.get_rank()
+    from fastxtend_accum.callback.gradaccum import GradientAccumulation
+    from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss
+    learn = Learner(digits_default_dls(16), digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD,
+                    cbs=[Float64SmoothLoss(), GradientAccumulation(64, global_bs=True), Fail(fail_rank, 5, os.path.join(out, prefix))])
+    try:
+        with learn.distrib_ctx(cpu=True), learn.no_logging(), learn.no_bar(): learn.fit(2, 0.1)
+        write(out + '/' + prefix, rank, t=time.time(), error=None)
+    except BaseException as e:
+        write(out + '/' + prefix, rank, t=time.time(), error=type(e).__name__, message=str(e),
+              cause=None if e.__cause__ is None else f'{type(e.__cause__).__name__}: {e.__cause__}')
+        if fail_rank not in (-1, rank) or case == 'uncaught': raise
+    # the failing process's script caught its error, and waits for the others
+    t0 = time.time()
+    try: dist.barrier(); after = None
+    except BaseException as e: after = f'{type(e).__name__}: {e}'
+    with open(f'{out}/{prefix}rank{rank}.json') as f: res = json.load(f)
+    write(out + '/' + prefix, rank, **res, barrier=after, barrier_s=time.time()-t0)
+
+if __name__ == '__main__': main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

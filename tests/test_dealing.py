@@ -1,0 +1,55 @@
+"""World-size-invariant windows: with `global_bs=True` under fastai's `distrib_ctx`, the same script on 1, 2 and 4 processes
+(torchrun, gloo, CPU, float64) takes the optimizer steps of one process with batches of `accum_bs` and no accumulation:
+the same samples and lr at every step (1e-12) and the same weights (1e-8). fastai's contiguous shares (`deal_windows=False`)
+end measurably apart. The worker is `dealing_worker.py`."""
+import os, subprocess, sys
+import pytest, torch
+from test_distributed import free_port, ENV, HERE
+
+WORKER = os.path.join(HERE, 'dealing_worker.py')
+TIMEOUT = 300 # seconds for a launch (4 processes on 2 loaded cores); a collective that hangs fails after the group's timeout
+CASES = {1: ['large', 'large_keep', 'ga', 'ga_keep', 'gas'], 2: ['ga', 'ga_keep', 'gas', 'ga_contiguous'], 4: ['ga', 'ga_keep', 'gas']}
+
+def run(cmd):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT='120'), cwd=os.path.dirname(HERE))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp('dealing')
+    for world,cases in CASES.items():
+        if world == 1: run([sys.executable, WORKER, str(out), ','.join(cases)])
+        else: run([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={world}', '--master_addr=127.0.0.1',
+                   f'--master_port={free_port()}', WORKER, str(out), ','.join(cases)])
+    return {(c, w): torch.load(out/f'{c}-w{w}.pt') for w,cs in CASES.items() for c in cs}
+
+def diffs(r, ref):
+    assert [(e, n) for e,n,_ in r['steps']] == [(e, n) for e,n,_ in ref['steps']] # the same steps, each on as many samples
+    lr = max(abs(a[2]-b[2]) for a,b in zip(r['steps'], ref['steps']))
+    w = max(float((p-q).abs().max()) for p,q in zip(r['params'], ref['params']))
+    return lr,w
+
+@pytest.mark.parametrize('case,ref,world', [(c, r, w) for c,r in [('ga', 'large'), ('ga_keep', 'large_keep'), ('gas', 'gas')]
+                                             for w in (1, 2, 4) if (c, w) != ('gas', 1)])
+def test_same_run_on_any_number_of_processes(runs, case, ref, world):
+    "GradientAccumulation against one process with batches of accum_bs; the schedule against itself on one process"
+    r,base = runs[case, world],runs[ref, 1]
+    lr,w = diffs(r, base)
+    held = sorted(set(n for _,n,_ in r['steps']))
+    print(f'{case} on {world} process(es) vs {ref} on one: {len(r["steps"])} steps of {held} samples, max |lr diff| {lr:.2g}, '
+          f'max |param diff| {w:.3g}')
+    assert lr < 1e-12 and w < 1e-8
+    assert r['losses'] == pytest.approx(base['losses'], rel=0, abs=1e-10) # the Recorder's loss per step
+
+def test_shapes_of_the_runs(runs):
+    "What the runs hold: 15 windows of 64 and a dropped tail of 40 an epoch; kept, a last window of 40; the schedule's jump"
+    assert [n for _,n,_ in runs['large', 1]['steps']] == [64]*30
+    assert [n for _,n,_ in runs['large_keep', 1]['steps']] == ([64]*15 + [40])*2
+    assert [n for _,n,_ in runs['gas', 1]['steps']] == [32]*32 + [128]*8
+    assert len(set(lr for _,_,lr in runs['large', 1]['steps'])) > 20 # fit_one_cycle moves the lr every step
+
+def test_contiguous_shares_differ(runs):
+    "deal_windows=False: fastai's contiguous shares, the same steps and lrs on other samples, so other weights"
+    lr,w = diffs(runs['ga_contiguous', 2], runs['large', 1])
+    print(f'ga_contiguous on 2 processes vs large on one: max |param diff| {w:.3g}')
+    assert lr < 1e-12 and w > 1e-4

@@ -1,0 +1,51 @@
+"""Fail fast: when a fit raises on one process of a torchrun launch (gloo, CPU), every other process stops within seconds
+with `PeerProcessFailed`, which names the process that failed and its error, whether or not the failing process's script
+catches it; before, a caught error left them in a collective until the process-group timeout. The worker is
+`failfast_worker.py`."""
+import json, os, subprocess, sys, time
+import pytest
+from test_distributed import free_port, ENV, HERE
+
+WORKER = os.path.join(HERE, 'failfast_worker.py')
+PG_TIMEOUT = 60 # the process-group timeout: a peer that waited for it would take a minute, not seconds
+LAUNCH_TIMEOUT = 150
+STOP_WITHIN = 20 # seconds from the failure to each other process's error (measured 5-8 s on a loaded 2-core machine: GRACE_S, 3 s, then the failing process exits)
+
+def launch(tmp_path, case, fail_rank, n):
+    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--master_addr=127.0.0.1',
+           f'--master_port={free_port()}', WORKER, str(tmp_path), case, str(fail_rank)]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT=str(PG_TIMEOUT)),
+                       cwd=os.path.dirname(HERE))
+    wall = time.time() - t0
+    assert p.returncode != 0 # a process raised out of its script: torchrun says so
+    failed_at = float((tmp_path/'failed_at').read_text())
+    res = {r: json.loads((tmp_path/f'rank{r}.json').read_text()) for r in range(n)}
+    return res,failed_at,wall,p
+
+@pytest.mark.parametrize('case,fail_rank,n', [('caught', 1, 2), ('uncaught', 1, 2), ('caught', 0, 2), ('caught', 2, 3),
+                                              ('caught', -1, 2)])
+def test_peers_stop_within_seconds_and_say_why(tmp_path, case, fail_rank, n):
+    res,failed_at,wall,p = launch(tmp_path, case, fail_rank, n)
+    if fail_rank == -1: # first, a fit whose error every process raises: each its own, and the group stays for the barrier
+        for r in range(n):
+            o = json.loads((tmp_path/f'all-rank{r}.json').read_text())
+            assert o['error'] == 'ValueError' and f'a bad batch at micro-batch 5 on process {r}' in o['message'], o
+            assert o['barrier'] is None and o['barrier_s'] < 30, o
+        fail_rank = 1 # then a fit that fails on process 1 alone
+    mine = res[fail_rank]
+    assert mine['error'] == 'ValueError' and f'a bad batch at micro-batch 5 on process {fail_rank}' in mine['message']
+    if case == 'caught': # its script goes on to a collective: it raises at once (the group is gone), it does not wait
+        assert mine['barrier'].startswith('ValueError: Default process group has not been initialized') and mine['barrier_s'] < 1
+    for r in range(n):
+        if r == fail_rank: continue
+        o = res[r]
+        print(f'{case}, process {fail_rank} of {n} failed: process {r} stopped {o["t"]-failed_at:.2f} s later with {o["error"]}')
+        assert o['error'] == 'PeerProcessFailed'
+        assert o['message'].startswith(f'Process {fail_rank} of {n} failed in its fit with ValueError: ')
+        assert f'a bad batch at micro-batch 5 on process {fail_rank}' in o['message']
+        assert f'Process {r} stopped at its next collective' in o['message']
+        assert o['cause'].startswith('RuntimeError: ') # the collective's own error, chained
+        assert 0 < o['t'] - failed_at < STOP_WITHIN
+    print(f'launch: {wall:.1f} s')
+    assert wall < PG_TIMEOUT
