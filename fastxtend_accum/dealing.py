@@ -15,7 +15,7 @@ __all__ = ['dealt_order', 'WindowDealtDL', 'deal_windows']
 
 # %% ../nbs/dealing.ipynb #a1423cf9
 def dealt_order(order:list, # The epoch's sample order over all processes (one process's order)
-                shares:list[int], # Samples each process takes of each segment (a window, or a dropped tail), in order
+                shares:list[int], # Samples each process takes of each window (or dropped tail)
                 rank:int, # This process
                 world_size:int, # Processes
                )->list:
@@ -36,9 +36,12 @@ def _segments(plan)->list[tuple[int,int]]:
 
 class WindowDealtDL(DistributedDL if DistributedDL is not None else object):
     "fastai's `DistributedDL`, dealing the epoch's order window by window (the accumulation callback's plan) instead of in contiguous slices"
-    def __init__(self, dl, # The loader `DistributedDL` wraps (the whole epoch)
+    def __init__(self, dl, # The loader DistributedDL wraps (the whole epoch)
                  cb, # The accumulation callback whose windows are dealt
-                 rank=None, world_size=None, device=None):
+                 rank=None, # This process (None: torch.distributed's)
+                 world_size=None, # Processes (None: torch.distributed's)
+                 device=None, # Where batches go (None: the loader's)
+                ):
         super().__init__(dl, rank=rank, world_size=world_size, device=device)
         self.cb,self._warned = cb,False
         R,m,n = self.world_size,self.dl.bs,self.dl.n
@@ -56,6 +59,7 @@ class WindowDealtDL(DistributedDL if DistributedDL is not None else object):
     def __len__(self): return len(self.sizes)
 
     def get_idxs(self):
+        "This process's samples of the epoch: rank 0's order, dealt window by window"
         order = self._broadcast(list(self.dl.get_idxs()), 0) # rank 0's shuffle, as fastai's `DistributedDL`
         plan = self.cb.plan
         if plan is None or plan.sizes != self.sizes:
@@ -68,9 +72,11 @@ class WindowDealtDL(DistributedDL if DistributedDL is not None else object):
                           "a number of samples that the processes share evenly, keeps every step the one-process run's)")
         return dealt_order(order, [sum(plan.sizes[s:e]) for s,e in _segments(plan)], self.rank, self.world_size)
 
-    def to_detach(self, b, cpu=True, gather=True): return to_detach(b, cpu, gather) # no padding to take off
+    def to_detach(self, b, cpu=True, gather=True):
+        "fastai's `to_detach`: no padding to take off"
+        return to_detach(b, cpu, gather)
 
-def deal_windows(cb, # A `GradientAccumulation` (or subclass)
+def deal_windows(cb, # A GradientAccumulation (or a subclass)
                 ):
     "At `before_train`: with `global_bs=True` over several processes, deal the training loader's order window by window"
     if not (cb.global_bs and getattr(cb, 'deal_windows', True) and cb.windows.world_size > 1): return

@@ -110,11 +110,16 @@ class ProcessGroupSync(WindowSync):
         self.world_size,self.rank = dist.get_world_size(group),dist.get_rank(group)
 
     @property
-    def reduce(self)->Callable: return self.all_reduce
+    def reduce(self)->Callable:
+        "The in-place sum all-reduce over the engine's processes"
+        return self.all_reduce
     def all_reduce(self, v:Tensor, op:str='SUM')->Tensor:
+        "`v` reduced over the engine's processes, in place"
         dist.all_reduce(v, op=getattr(dist.ReduceOp, op), group=self.group)
         return v
-    def needs_stand_in(self, closes:bool)->bool: return self.lockstep
+    def needs_stand_in(self, closes:bool)->bool:
+        "Whether a cancelled micro-batch must still run a backward: every one under an engine that communicates in each"
+        return self.lockstep
 
     @property
     def engine(self)->str:
@@ -146,7 +151,9 @@ class DDPSync(ProcessGroupSync):
         "Skip DDP's all-reduce in the micro-batch's backward unless it `closes` the window"
         # DDP decides at the forward whether the backward all-reduces: `no_sync` must be entered before it
         if not closes and self.grad_sync != 'micro_batch': stack.enter_context(self.model.no_sync())
-    def needs_stand_in(self, closes:bool)->bool: return closes or self.lockstep
+    def needs_stand_in(self, closes:bool)->bool:
+        "Whether a cancelled micro-batch must still run a backward: the window's closing one (it all-reduces), or every one"
+        return closes or self.lockstep
 
     def reduce_by_hand(self, bucket_bytes:int=25*2**20):
         "What DDP's synchronising backward does: average the gradients over the processes, in flat buckets"

@@ -25,7 +25,11 @@ def describe(exc:BaseException, # An exception
     msg = str(exc)
     return f"{type(exc).__name__}: {msg[:limit]}{'...' if len(msg) > limit else ''}" if msg else type(exc).__name__
 
-def failed_key(rank:int, n:int)->str: return f'{FAILED_KEY}{rank}/{n}'
+def failed_key(rank:int, # The process that failed
+               n:int, # Its n-th failure (one fit after another)
+              )->str:
+    "The store key a failed process writes its error under"
+    return f'{FAILED_KEY}{rank}/{n}'
 
 def failed_processes(store, # torch.distributed's default store
                      world_size:int, # Processes in the run

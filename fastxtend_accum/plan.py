@@ -138,7 +138,10 @@ def trains_batchnorm(model:nn.Module)->bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
 
 def warn_once(warned:set, # Keys already said
-              key:str, msg:str, stacklevel:int=3):
+              key:str, # What the message is about
+              msg:str, # The message
+              stacklevel:int=3, # warnings.warn's, from the caller
+             ):
     "Warn `msg` unless `key` was said"
     if key in warned: return
     warned.add(key)

@@ -38,7 +38,11 @@ def _mul_(ts:list[Tensor], scale):
     if not isinstance(scale, Tensor): return torch._foreach_mul_(ts, scale)
     for dt in {t.dtype for t in ts}: torch._foreach_mul_([t for t in ts if t.dtype == dt], scale.to(dt))
 
-def all_reduce_mean(ts:list[Tensor], group=None, world_size:int=1, bucket_bytes:int=25*2**20):
+def all_reduce_mean(ts:list[Tensor], # The tensors to average, in place
+                    group=None, # The processes (None: all)
+                    world_size:int=1, # Processes in group
+                    bucket_bytes:int=25*2**20, # Bytes of one flat all-reduce
+                   ):
     "Average the tensors `ts` over the processes of `group` in place, in flat buckets of one dtype (each in its own dtype)"
     bucket,size = [],0
     def flush():
@@ -63,7 +67,7 @@ class FloatGrads:
     16-bit sum is ever formed and at most one micro-batch's 16-bit gradient is held beside the buffers. `accum_dtype=None`:
     gradients add up in `p.grad` as in fastai, and a 16-bit model whose windows hold many micro-batches is warned once.
     Collectives per window on several processes (`reduces`): one all-reduce per dtype bucket of the buffers and gradients."""
-    def __init__(self, accum_dtype:torch.dtype|None=torch.float32, # The dtype windows are summed in; None: `p.grad`'s
+    def __init__(self, accum_dtype:torch.dtype|None=torch.float32, # Dtype windows are summed in; None: p.grad's
                  who:str='GradientAccumulation', # The callback, for messages
                 ):
         self.accum_dtype,self.who = check_accum_dtype(accum_dtype),who

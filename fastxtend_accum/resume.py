@@ -16,7 +16,7 @@ from .distributed import sharding_engine
 __all__ = ['atomic_save', 'ResumeCheckpoint']
 
 # %% ../nbs/resume.ipynb #e34ea678
-def atomic_save(obj, # What `torch.save` writes
+def atomic_save(obj, # What torch.save writes
                 path:Path|str, # Where
                ):
     "`torch.save(obj, path)` through a temporary file beside `path` and `os.replace`: a crash mid-save leaves the previous file whole"
@@ -45,12 +45,14 @@ class ResumeCheckpoint(Callback):
     "Save what an exact resume needs after every epoch (atomically, on rank 0); when a fit starts and the file exists, resume from it"
     order = TrainEvalCallback.order+1 # before_fit: before the engine wraps the model (fastai's DistributedTrainer, 11)
     def __init__(self,
-        fname:str='checkpoint', # File in `learn.path/learn.model_dir`, without '.pth'
+        fname:str='checkpoint', # File in learn.path/learn.model_dir, without '.pth'
         resume:bool=True, # Resume when a fit starts and the file exists
     ): store_attr()
 
     @property
-    def file(self)->Path: return self.learn.path/self.learn.model_dir/f'{self.fname}.pth'
+    def file(self)->Path:
+        "Where the checkpoint is written"
+        return self.learn.path/self.learn.model_dir/f'{self.fname}.pth'
 
     def before_fit(self):
         "Load the checkpoint, if any, into the model, the optimizer, the loader's shuffle and the random states; epochs done are skipped"
@@ -69,7 +71,9 @@ class ResumeCheckpoint(Callback):
         self.start,self.learn.train_iter = ck['epoch']+1,ck['train_iter']
         self.learn.add_cb(_SkipDone(self.start)) # fastai's `start_epoch`: skipped after every callback's `before_epoch`
 
-    def after_fit(self): self._remove_skip()
+    def after_fit(self):
+        "Take the epoch-skipping callback off again"
+        self._remove_skip()
     def _remove_skip(self): self.learn.remove_cbs([cb for cb in self.learn.cbs if isinstance(cb, _SkipDone)])
 
     def after_epoch(self):

@@ -30,10 +30,10 @@ class GradientAccumulation(BatchSplitter):
         global_bs:bool=False, # accum_bs counts samples over all processes
         log_accum_batch:bool=True, # Record losses, hps and progress once per step
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
-        normalize_by:str|Callable='auto', # 'auto' (read the loss), 'samples', 'sum', (xb, yb) -> count
+        normalize_by:str|Callable='auto', # 'auto' (reads the loss), 'samples', 'sum', a callable
         grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
-        accum_dtype:torch.dtype|None=torch.float32, # Sum 16-bit parameters' windows in it; None: in p.grad
-        deal_windows:bool=True, # global_bs on several processes: deal fastai's epoch order window by window (see dealing)
+        accum_dtype:torch.dtype|None=torch.float32, # 16-bit parameters' sums in it; None: p.grad
+        deal_windows:bool=True, # global_bs: deal the epoch window by window (dealing)
     ):
         n_acc = check_positive_int('n_acc', n_acc)
         self.deal_windows = check_bool('deal_windows', deal_windows)
@@ -133,19 +133,28 @@ class GradientAccumulation(BatchSplitter):
         w = self.windows.window
         return int(w.held) if w is not None and w.stepped else self.windows.window_gbs
     @property
-    def train_step(self)->int: return self.windows.train_step
+    def train_step(self)->int:
+        "Optimizer steps (windows closed) so far this fit"
+        return self.windows.train_step
     @property
     def counter(self):
         "What the micro-batches' items are counted by (what `normalize_by='auto'` read)"
         return self.windows.counter
     @property
-    def fgrads(self)->FloatGrads: return self.windows.fgrads
+    def fgrads(self)->FloatGrads:
+        "The 16-bit parameters' float32 window sums (see `precision`)"
+        return self.windows.fgrads
     @property
-    def n_steps(self)->int: return self.windows.n_steps
+    def n_steps(self)->int:
+        "Optimizer steps that ran this fit (not cancelled in `before_step`)"
+        return self.windows.n_steps
     @property
-    def plan(self)->WindowPlan|None: return self.windows.plan
+    def plan(self)->WindowPlan|None:
+        "The epoch's planned windows, where the loader tells its sizes ahead"
+        return self.windows.plan
     @property
     def planned_windows(self)->int|None:
+        "Optimizer steps in this epoch, where they are planned"
         p = self.windows.plan
         return None if p is None else p.n_windows
     @property

@@ -59,9 +59,14 @@ def _zero_loss(pred):
 
 class MixSplit:
     "fastai's `MixUp` and `CutMix` (any callback holding `yb1` and `lam`) mix the whole batch: their second targets and `lam`, per micro-batch"
-    def __init__(self, learn:Learner, n:int): # The Learner, and the samples of its batch
+    def __init__(self,
+                 learn:Learner, # The Learner, whose callbacks mixed the batch
+                 n:int, # Samples in the batch
+                ):
         self.n,self.held = n,[(cb, cb.yb1, cb.lam) for cb in learn.cbs if 'yb1' in vars(cb) and 'lam' in vars(cb)]
-    def enter(self, a:int, b:int):
+    def enter(self, a:int, # First row of the micro-batch
+              b:int, # End of its rows (excluded)
+             ):
         "Before the micro-batch of rows `a:b`: their rows of the second targets, and of `lam` where it has one per sample"
         for cb,yb1,lam in self.held: cb.yb1,cb.lam = slice_batch(yb1, a, b, self.n),slice_batch(lam, a, b, self.n)
     def restore(self):
@@ -133,7 +138,7 @@ class MicroBatching(BatchSplitter):
         n_candidates:int=3, # 'fastest': sizes timed: the largest that fits, then one more part
         verbose:bool=True, # Print the micro-batch size chosen (and timings, 'fastest')
         grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
-        accum_dtype:torch.dtype|None=torch.float32, # Sum 16-bit parameters' batches in it; None: in p.grad
+        accum_dtype:torch.dtype|None=torch.float32, # 16-bit parameters' sums in it; None: p.grad
     ):
         if not (isinstance(micro_bs, str) and micro_bs in ('auto', 'fastest')):
             try: micro_bs = check_positive_int('micro_bs', micro_bs)
@@ -189,7 +194,9 @@ class MicroBatching(BatchSplitter):
         self.taking_batches = False
         self.fgrads.detach()
 
-    def micro_batch(self): return contextlib.nullcontext() # the batch is counted where it is split
+    def micro_batch(self):
+        "Around a training batch's events: nothing (the batch is counted where it is split)"
+        return contextlib.nullcontext()
     def train_batch(self):
         "fastai's `_do_one_batch` for a training batch, with the forward and backward done micro-batch by micro-batch"
         learn = self.learn
