@@ -14,6 +14,7 @@ from .recorder import *
 from .loggers import patch_loggers
 from ..normalize import *
 from ..distributed import *
+from ..messages import warn, batchnorm_message, small_accum_message
 
 # %% auto #0
 __all__ = ['check_positive_int', 'check_bool', 'check_weighable', 'sampler_sizes', 'micro_batch_sizes', 'WindowPlan',
@@ -376,6 +377,8 @@ class GradientAccumulation(Callback):
     def _size_message(self, held)->str:
         "The one-time message for windows that close past their target, with the global and per-process sizes over processes"
         R = self.world_size
+        if self.mb_samples > self.window_bs and not self._count_globally:
+            return small_accum_message(self.window_bs, self.mb_samples, type(self).__name__)
         if R == 1 or not (self.global_bs or self._count_globally):
             return (f"Micro-batches of {self.mb_samples} samples do not divide accum_bs={self.window_bs}: windows close at "
                     f"{self.n_seen} samples, and each step uses the mean gradient over its window")
@@ -462,14 +465,12 @@ class GradientAccumulation(Callback):
     def _check_bn(self):
         if self._bn_checked: return # once per fit, at its first window (the model is in training mode by then)
         self._bn_checked = True
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in self.model.modules()):
-            self._warn_once('bn', "The model has BatchNorm layers in training mode: their batch statistics come from each "
-                            "micro-batch, not from the accumulated batch (consider `GroupNorm`/`LayerNorm`, or frozen BatchNorm)")
+        if (msg := batchnorm_message(self.model)) is not None: self._warn_once('batchnorm', msg)
 
     def _warn_once(self, key, msg):
         if key in self._warned: return
         self._warned.add(key)
-        warnings.warn(msg, stacklevel=3)
+        warn(msg, key) # at the user's line; `key` is the message's anchor on the troubleshooting page
 
 # %% ../../nbs/callback.gradaccum.ipynb #2b7d5d8f
 _learner_fit = fastai_method(Learner, 'fit')

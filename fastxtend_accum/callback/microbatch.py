@@ -12,6 +12,7 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 from .gradaccum import GradientAccumulation, check_positive_int, check_bool, check_one_accumulation, check_one_learner, micro_batch_sizes
 from ..normalize import *
 from ..distributed import WindowSync, window_sync, check_grad_sync, split_loader
+from ..messages import warn, batchnorm_message
 
 # %% auto #0
 __all__ = ['split_sizes', 'next_micro_bs', 'slice_batch', 'RowStates', 'MicroBatching']
@@ -387,9 +388,7 @@ class MicroBatching(Callback):
     def _check_bn(self):
         if self._warned: return
         self._warned = True
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in self.learn.model.modules()):
-            warnings.warn("The model has BatchNorm layers in training mode: their batch statistics come from each "
-                          "micro-batch, not from the whole batch (consider `GroupNorm`/`LayerNorm`, or frozen BatchNorm)", stacklevel=3)
+        if (msg := batchnorm_message(self.learn.model, 'whole batch')) is not None: warn(msg, 'batchnorm')
 
     def _zero_grads(self):
         for p in self._learn.model.parameters():
