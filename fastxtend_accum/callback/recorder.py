@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastai.basics import *
 from fastai.callback.schedule import ParamScheduler, LRFinder
 from fastai.callback.progress import ProgressCallback, ShowGraphCallback
-from fastprogress.fastprogress import progress_bar
+from fastprogress.fastprogress import progress_bar, master_bar
 
 # %% auto #0
 __all__ = ['accum_callback', 'accum_logger', 'fastai_method']
@@ -107,10 +107,14 @@ _lrfinder_after_batch = fastai_method(LRFinder, 'after_batch')
 
 @patch
 def before_fit(self:LRFinder):
-    "fastai's, and while accumulating, the epochs that `num_it` optimizer steps need"
+    "fastai's, and while accumulating, the epochs that `num_it` optimizer steps need, and an epoch bar over them"
     _lrfinder_before_fit(self)
-    cb = accum_callback(self.learn)
-    if cb is not None: self.learn.n_epoch = cb.epochs_for(self.num_it) # `_do_fit` reads it after `before_fit`
+    cb,learn = accum_callback(self.learn),self.learn
+    if cb is None: return
+    learn.n_epoch = cb.epochs_for(self.num_it) # `_do_fit` reads it after `before_fit`
+    # `ProgressCallback.before_fit` ran first (same order, attached earlier) and sized its bar for fastai's epochs: resize it
+    prog = learn.__dict__.get('progress')
+    if prog is not None and vars(prog).get('mbar') is not None: prog.mbar = master_bar(list(range(learn.n_epoch)))
 
 @patch
 def before_batch(self:LRFinder):
