@@ -15,12 +15,12 @@ __all__ = ['DOCS_URL', 'LIBRARY_PACKAGES', 'user_stacklevel', 'doc_link', 'warn'
 DOCS_URL = 'https://fastxtend-accum.github.io/fastxtend_accum/troubleshooting.html'
 LIBRARY_PACKAGES = ('fastai', 'fastcore', 'fastprogress', 'torch', 'fastxtend_accum')
 
-# %% ../nbs/messages.ipynb #d029af15
-def user_stacklevel(skip:tuple=LIBRARY_PACKAGES, # Top-level packages whose frames are not the user's
-                    depth:int=2, # The first candidate: 1 is the function calling `warnings.warn`, 2 its caller
+# %% ../nbs/messages.ipynb #3346203e
+def user_stacklevel(skip:tuple|None=None, # Packages whose frames are not the user's; None: LIBRARY_PACKAGES
+                    depth:int=2, # The first candidate: 1 is the function calling warnings.warn, 2 its caller
                    )->int:
     "The `stacklevel` for a `warnings.warn` in this function's caller that names the first frame outside `skip`"
-    f,level = sys._getframe(depth),depth
+    f,level,skip = sys._getframe(depth),depth,skip or LIBRARY_PACKAGES
     while f is not None and f.f_globals.get('__name__', '').split('.')[0] in skip: f,level = f.f_back,level+1
     return level if f is not None else 2 # only library frames (a thread, say): the library's caller
 
@@ -30,7 +30,7 @@ def doc_link(id:str)->str:
     return f"{DOCS_URL}#{id}"
 
 def warn(msg:str, # The message
-         id:str|None=None, # Its anchor on the troubleshooting page, linked at the end of the message
+         id:str|None=None, # Its anchor on the troubleshooting page, linked at the end
          category=UserWarning, # The warning's class
         ):
     "`warnings.warn(msg)` reported at the user's own line (past fastai's event dispatch), with a link to its entry"
@@ -64,7 +64,7 @@ def batchnorm_message(model:nn.Module, # The model a fit trains
     return (f"The model has {len(names)} BatchNorm layer(s) in training mode ({shown}): their statistics come from each "
             f"micro-batch, not from the {over}, so the gradient is not the large batch's. Fix: {batchnorm_fix(model)}")
 
-# %% ../nbs/messages.ipynb #3d3071f3
+# %% ../nbs/messages.ipynb #c5294b35
 def small_accum_message(accum_bs:int, # The window's target, in samples
                         micro_bs:int, # Samples in the micro-batch that overfilled it
                         name:str='GradientAccumulation', # The callback, as the user wrote it

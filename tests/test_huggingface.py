@@ -2,14 +2,26 @@
 download): dict batches, labels of -100 on padding, `normalize_by='auto'`; accumulated micro-batches of 8 end with the
 weights of batches of 32 (float64, 1e-8), and counting samples instead does not. Needs `transformers` (not in the lock
 files: `pip install --target DIR --no-deps transformers tokenizers regex` and DIR on PYTHONPATH); skipped without it."""
-import sys
+import json, sys
+from pathlib import Path
 import pytest, torch
 from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader
 from fastxtend_accum.all import *
-from fastxtend_accum.huggingface import causal_lm_collate, CausalLMLogits
 from fastxtend_accum.test_utils import text_lines, encode, VOCAB, Float64SmoothLoss, max_param_diff
 
+def page_recipe()->dict:
+    "The recipe's code as the page shows it: the cells that define `causal_lm_collate` and `CausalLMLogits`"
+    cells = json.loads((Path(__file__).parents[1]/'nbs'/'examples.huggingface.ipynb').read_text())['cells']
+    ns = {}
+    exec('from fastai.basics import *', ns)
+    for c in cells:
+        src = ''.join(c['source'])
+        if c['cell_type'] == 'code' and ('def causal_lm_collate' in src or 'class CausalLMLogits' in src): exec(src, ns)
+    return ns
+
+R = page_recipe()
+causal_lm_collate,CausalLMLogits = R['causal_lm_collate'],R['CausalLMLogits']
 sys.modules.setdefault('torchvision', None) # transformers would import the broken CUDA torchvision (see NOTES)
 transformers = pytest.importorskip('transformers')
 
