@@ -18,5 +18,6 @@ from .callback.schedule import *
 from .callback.microbatch import *
 from .distributed import *
 from .sharded import *
+from .export import * # `learn.export()` without this library's callbacks
 # nbdev writes an empty `__all__` for a module that defines nothing, which would hide every name imported above
 globals().pop("__all__", None)

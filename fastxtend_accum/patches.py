@@ -10,7 +10,7 @@ from fastai.basics import *
 from fastai.callback.schedule import ParamScheduler, LRFinder
 from fastai.callback.progress import ProgressCallback, ShowGraphCallback
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
-from fastprogress.fastprogress import progress_bar
+from fastprogress.fastprogress import progress_bar, master_bar
 
 # %% auto #0
 __all__ = ['REPLACED', 'fastai_method', 'replaces', 'AccumView', 'accum_callback', 'batch_taker', 'accum_logger', 'fit',
@@ -179,10 +179,14 @@ def after_train(self:ShowGraphCallback):
 
 @replaces(LRFinder, "lr_find's epochs counted in optimizer steps")
 def before_fit(self:LRFinder):
-    "fastai's, and while accumulating, the epochs that `num_it` optimizer steps need"
+    "fastai's, and while accumulating, the epochs that `num_it` optimizer steps need, and an epoch bar over them"
     fastai_method(LRFinder, 'before_fit')(self)
-    cb = accum_callback(self.learn)
-    if cb is not None: self.learn.n_epoch = cb.epochs_for(self.num_it) # `_do_fit` reads it after `before_fit`
+    cb,learn = accum_callback(self.learn),self.learn
+    if cb is None: return
+    learn.n_epoch = cb.epochs_for(self.num_it) # `_do_fit` reads it after `before_fit`
+    # `ProgressCallback.before_fit` ran first (same order, attached earlier) and sized its bar for fastai's epochs: resize it
+    prog = learn.__dict__.get('progress')
+    if prog is not None and vars(prog).get('mbar') is not None: prog.mbar = master_bar(list(range(learn.n_epoch)))
 
 @replaces(LRFinder, "the lr of the current optimizer step")
 def before_batch(self:LRFinder):

@@ -15,6 +15,7 @@ from ..patches import *
 from ..normalize import *
 from ..distributed import *
 from ..precision import FloatGrads
+from ..messages import warn, batchnorm_message, small_accum_message
 
 # %% auto #0
 __all__ = ['GradientAccumulation']
@@ -314,6 +315,8 @@ class GradientAccumulation(BatchSplitter):
         "The one-time message for windows that close past their target, with the global and per-process sizes over processes"
         r = self.windows
         R,seen = r.world_size,r.window.seen
+        if r.mb_samples > r.window_bs and not r.count_globally:
+            return small_accum_message(r.window_bs, r.mb_samples, type(self).__name__)
         if R == 1 or not (self.global_bs or r.count_globally):
             return (f"Micro-batches of {r.mb_samples} samples do not divide accum_bs={r.window_bs}: windows close at "
                     f"{seen} samples, and each step uses the mean gradient over its window")
@@ -404,8 +407,9 @@ class GradientAccumulation(BatchSplitter):
         r = self.windows
         if r.bn_checked: return # once per fit, at its first window (the model is in training mode by then)
         r.bn_checked = True
-        if trains_batchnorm(self.model):
-            self._warn_once('bn', "The model has BatchNorm layers in training mode: their batch statistics come from each "
-                            "micro-batch, not from the accumulated batch (consider `GroupNorm`/`LayerNorm`, or frozen BatchNorm)")
+        if (msg := batchnorm_message(self.model)) is not None: self._warn_once('batchnorm', msg)
 
-    def _warn_once(self, key, msg): warn_once(self.windows.warned, key, msg)
+    def _warn_once(self, key, msg):
+        if key in self.windows.warned: return
+        self.windows.warned.add(key)
+        warn(msg, key) # at the user's line; `key` is the message's anchor on the troubleshooting page
