@@ -60,7 +60,7 @@ class Seen(Callback):
     def before_batch(self):
         if hasattr(self.learn, 'lr_finder'): return
         ga = getattr(self.learn, 'gradient_accumulation', None)
-        w = ga.i_window if ga is not None else self.iter
+        w = ga.windows.i_window if ga is not None else self.iter
         self.batches.append((self.fit, self.epoch, w, self.xb[0].detach().cpu().clone(), self.yb[0].detach().cpu().clone()))
 
 class Norms(Callback):

@@ -235,7 +235,8 @@ class GradientAccumulation(BatchSplitter):
         c = r.mb_items
         wt = w.weight(c)
         lg = learn.loss_grad
-        if wt != 1: learn.loss_grad = lg*(wt if not isinstance(wt, Tensor) else wt.to(lg.dtype)) # loss_i * items_i/rho
+        if isinstance(wt, Tensor): learn.loss_grad = lg*wt.to(lg.dtype) # loss_i * items_i/rho, on the device: no sync
+        elif wt != 1: learn.loss_grad = lg*wt
         if self._guards_zero: self._zero_guard(c)
         learn._backward()
         w.add_backward(r.mb_samples, c, learn.loss.detach())

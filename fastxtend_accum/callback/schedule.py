@@ -43,22 +43,18 @@ def _check_sched_value(schedule, pct:float, v)->float:
 # %% ../../nbs/callback.schedule.ipynb #8944b307
 class GradientAccumulationSchedule(GradientAccumulation):
     "Accumulate gradients over a number of samples that follows `schedule` from `start_accum_bs` to `final_accum_bs`"
+    @delegates(GradientAccumulation.__init__, but=['accum_bs', 'n_acc'])
     def __init__(self,
         start_accum_bs:int, # Samples per step before start (per process unless global_bs)
         final_accum_bs:int, # Samples per optimizer step from finish on (may be smaller)
         start:float|int=0, # Where it starts: a fraction of training, or an epoch (int)
         finish:float|int=0.3, # Where it reaches final_accum_bs: a fraction, or an epoch
         schedule:Callable=SchedCos, # A fastai annealer: schedule(start, end)(pct)
-        global_bs:bool=False, # The sizes count samples over all processes
-        log_accum_batch:bool=True, # Record losses, hps and progress once per step
         micro_batch_size:int|None=None, # Samples per micro-batch; None: the loader's
-        drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
-        normalize_by:str|Callable='auto', # 'auto' (read the loss), 'samples', (xb, yb) -> count
-        grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
-        accum_dtype:torch.dtype|None=torch.float32, # Sum 16-bit parameters' windows in it; None: in p.grad
+        **kwargs, # GradientAccumulation's: global_bs, log_accum_batch, drop_last, normalize_by, grad_sync, accum_dtype
     ):
         start_accum_bs = check_positive_int('start_accum_bs', start_accum_bs)
-        final_accum_bs = check_positive_int('final_accum_bs', final_accum_bs)
+        final_accum_bs = check_size('final_accum_bs', check_positive_int('final_accum_bs', final_accum_bs))
         if micro_batch_size is not None: micro_batch_size = check_positive_int('micro_batch_size', micro_batch_size)
         start,finish = _check_point('start', start),_check_point('finish', finish)
         if type(start) == type(finish) and start > finish:
@@ -68,9 +64,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         except TypeError as e:
             raise ValueError(f"`schedule` must be called as `schedule(start, end)`, like `SchedCos`: {schedule!r} raised {e}") from None
         for p in (0., 0.5, 1.): _check_sched_value(schedule, p, sched(p)) # a bad size now, not mid-fit
-        super().__init__(start_accum_bs, global_bs=global_bs, log_accum_batch=log_accum_batch, drop_last=drop_last,
-                         normalize_by=normalize_by, grad_sync=grad_sync,
-                         accum_dtype=accum_dtype)
+        super().__init__(start_accum_bs, **kwargs)
         store_attr('start_accum_bs,final_accum_bs,start,finish,schedule,micro_batch_size')
         self.sched,self.micro_bs,self.accum_bss = sched,micro_batch_size,[]
 
