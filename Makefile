@@ -11,7 +11,7 @@ export WANDB_SILENT := true
 export WANDB_DIR := $(CURDIR)/.wandb
 export MPLBACKEND := Agg
 
-.PHONY: env demo test export check-export notebooks readme check-readme docs nbtest pytest bench clean
+.PHONY: env demo test export check-export notebooks readme check-readme check-wheel docs nbtest pytest bench clean
 
 env: $(NBDEV_ENV)/.installed $(USER_ENV)/.installed
 
@@ -55,6 +55,11 @@ readme: $(NBDEV_ENV)/.installed
 check-readme: $(NBDEV_ENV)/.installed
 	$(NBDEV_ENV)/bin/python tools/readme.py --check
 
+# The package as pip installs it: `python -m build` makes the sdist and, from it, the wheel; the wheel installs into a fresh
+# venv (no index, no deps: those come from .venv) and the library imports from it (~25 s, offline)
+check-wheel: env
+	OMP_NUM_THREADS=1 $(NBDEV_ENV)/bin/python tools/check_wheel.py --deps $(USER_ENV)
+
 # The docs site: nbdev_proc_nbs writes the processed notebooks to _proc/, Quarto renders them to _docs/.
 # Not nbdev_docs: it also runs nbdev_readme, which would overwrite README.md with Quarto's rendering of index.ipynb.
 # Without Quarto, nbdev_proc_nbs would try to install it (sudo) and `pip install -e .[dev]` with whatever pip is on
@@ -80,7 +85,7 @@ pytest: env
 	$(NBDEV_ENV)/bin/python -m pytest tests -q -p no:cacheprovider
 	$(USER_ENV)/bin/python -m pytest tests -q -p no:cacheprovider
 
-test: env check-export check-readme nbtest pytest
+test: env check-export check-readme check-wheel nbtest pytest
 
 bench: $(USER_ENV)/.installed
 	$(USER_ENV)/bin/python bench/run.py

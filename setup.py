@@ -20,6 +20,9 @@ py_versions = '3.10 3.11 3.12 3.13'.split()
 
 requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
+# optional features: `distrib_ctx`/`sharded_ctx` need Accelerate (fastai.distributed); the W&B and TensorBoard loggers theirs
+extras = {o: shlex.split(cfg.get(f'{o}_requirements', '')) for o in ('distributed', 'loggers')}
+extras['all'] = sorted({r for v in extras.values() for r in v})
 min_python = cfg['min_python']
 lic = licenses.get(cfg['license'].lower(), (cfg['license'], None))
 
@@ -35,7 +38,7 @@ setuptools.setup(
     packages = setuptools.find_packages(include=[cfg['lib_name'], cfg['lib_name']+'.*']),
     include_package_data = True,
     install_requires = requirements,
-    extras_require={ 'dev': dev_requirements },
+    extras_require={ 'dev': dev_requirements, **extras },
     dependency_links = cfg.get('dep_links','').split(),
     python_requires  = '>=' + cfg['min_python'],
     long_description = open('README.md', encoding='utf-8').read(),

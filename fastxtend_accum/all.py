@@ -19,7 +19,7 @@ from .callback.microbatch import *
 from .distributed import *
 from .sharded import *
 from .failfast import *
-from .dealing import *
 from .resume import *
+from .export import * # `learn.export()` without this library's callbacks
 # nbdev writes an empty `__all__` for a module that defines nothing, which would hide every name imported above
 globals().pop("__all__", None)

@@ -47,6 +47,8 @@ def check_grad_sync(grad_sync:str)->str:
     if isinstance(grad_sync, str) and grad_sync in GRAD_SYNCS: return grad_sync
     raise ValueError(f"`grad_sync` must be one of {', '.join(map(repr, GRAD_SYNCS))}, got {grad_sync!r}")
 
+_NOTHING = contextlib.nullcontext()
+
 class WindowSync:
     """One process: the engine interface the window logic talks to, whatever the engine, with nothing to communicate.
     An engine's object holds its policy for a micro-batch (`micro_batch`) and the collectives the window needs
@@ -57,9 +59,11 @@ class WindowSync:
                  grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': the engine's default
                 ): self.model,self.grad_sync = model,check_grad_sync(grad_sync)
 
-    @contextlib.contextmanager
     def micro_batch(self, closes:bool):
         "Hold the engine's policy for one micro-batch's forward and backward (`closes`: the window's last), however it ends"
+        return _NOTHING if self.world_size == 1 else self._held(closes) # one process: nothing to hold, nothing to build
+    @contextlib.contextmanager
+    def _held(self, closes:bool):
         with contextlib.ExitStack() as stack:
             self._policy(stack, closes)
             yield

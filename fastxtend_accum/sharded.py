@@ -4,16 +4,13 @@
 
 # %% ../nbs/sharded.ipynb #ade63f95
 from __future__ import annotations
-import contextlib, functools, itertools, os
+import contextlib, functools, importlib, itertools, os, sys
 from datetime import timedelta
 import torch.distributed as dist
 from fastai.basics import *
 from copy import deepcopy # after fastai's names, which bring `copy` the function
 from fastai.callback.training import GradientClip
 from fastai.callback.progress import ProgressCallback
-try: # fastai's distributed module needs Accelerate (for `DistributedTrainer`); only `DistributedDL` is needed here
-    from fastai.distributed import DistributedDL, DistributedTrainer
-except (ImportError, NameError): DistributedDL = DistributedTrainer = None
 try: # FSDP2 (`fully_shard`), DTensor and the distributed state dicts: PyTorch 2.6 and later
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
@@ -27,7 +24,7 @@ from .distributed import _reduce_device, sharding_engine
 # %% auto #0
 __all__ = ['ENGINES', 'is_sharded', 'tied_params', 'split_ties', 'shard_blocks', 'FSDP2Layout', 'FSDP1Layout', 'layout_of',
            'opt_params', 'full_opt_state', 'part_opt_state', 'full_model_state', 'broadcast_module_', 'shard_model',
-           'check_opt', 'ShardedTrainer', 'setup_sharded', 'clip_grad_norm']
+           'check_opt', 'ShardedTrainer', 'setup_sharded', 'clip_grad_norm', 'on_import']
 
 # %% ../nbs/sharded.ipynb #a25dc962
 ENGINES = ('fsdp2', 'fsdp1')
@@ -328,7 +325,9 @@ class ShardedTrainer(Callback):
         self.learn.dls.loaders,self.learn.logger = self.old_dls,self.old_logger
 
     def _wrap_dl(self, dl):
-        if DistributedDL is None: raise ImportError("Sharing the data out needs fastai.distributed, which needs `pip install accelerate`")
+        try: from fastai.distributed import DistributedDL # imported when first needed (see `on_import`)
+        except (ImportError, NameError) as e: raise ImportError("Sharing the data out needs fastai.distributed, which needs "
+                                                                "`pip install accelerate` (or fastxtend_accum[distributed])") from e
         return dl if isinstance(dl, DistributedDL) else DistributedDL(dl, device=self.device)
 
     def _shard(self):
@@ -505,12 +504,41 @@ def create_opt(self:Learner):
     check_opt(self.model, self.opt)
 
 # %% ../nbs/sharded.ipynb #9700692a
-if DistributedTrainer is not None:
+class _OnImport(importlib.abc.MetaPathFinder):
+    "Runs `fn(module)` right after module `name` is first imported, by whoever imports it"
+    def __init__(self, name, fn): self.name,self.fn = name,fn
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name or self not in sys.meta_path: return None
+        sys.meta_path.remove(self) # the finders after us find the module; we only wrap its execution
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None: sys.meta_path.insert(0, self); return spec
+        run = spec.loader.exec_module
+        def exec_module(module):
+            try: run(module)
+            except BaseException: sys.meta_path.insert(0, self); raise # not imported (no Accelerate): wait for the next try
+            self.fn(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+def on_import(name:str, # A module's full name
+              fn:Callable, # Called with the module once it is imported
+             ):
+    "Call `fn(module)` now if module `name` is imported, or right after it is: a patch without importing the module"
+    if name in sys.modules: fn(sys.modules[name])
+    else: sys.meta_path.insert(0, _OnImport(name, fn))
+
+def _patch_distributed_trainer(mod):
+    "fastai's `DistributedTrainer.before_fit`, with a clear error for a model already sharded (DDP would fail to broadcast it)"
+    DistributedTrainer = mod.DistributedTrainer
     _dt_before_fit = fastai_method(DistributedTrainer, 'before_fit')
 
-    @patch
-    def before_fit(self:DistributedTrainer):
+    @patch_to(DistributedTrainer) # not `@patch`: its annotation would be looked up in this module's globals
+    def before_fit(self):
         "fastai's `DistributedTrainer.before_fit`, with a clear error for a model already sharded (DDP would fail to broadcast it)"
         if is_sharded(self.model): raise ValueError("The model is sharded with FSDP, and `distrib_ctx` would wrap it in DDP: train "
                                                     "it in `learn.sharded_ctx()`, which shares the data out and keeps the shards")
         _dt_before_fit(self)
+
+# fastai.distributed imports Accelerate (seconds, and tqdm's "IProgress not found" warning in Jupyter): the library leaves
+# importing it to the user (`from fastai.distributed import *`, for `distrib_ctx`), and patches it then
+on_import('fastai.distributed', _patch_distributed_trainer)

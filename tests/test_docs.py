@@ -188,6 +188,7 @@ def imports_and_other_code(src:str)->bool:
     trains while building the docs, and its progress bar lands on the page)"""
     if re.search(r'^#\|\s*(export|exports|exporti|exec_doc)\b', src, re.M) or re.search(r'^#\|\s*eval:\s*false', src, re.M|re.I):
         return False
+    src = '\n'.join('' if re.match(r'\s*[!%]', l) else l for l in src.splitlines()) # IPython's shell and magic lines
     nodes = list(ast.walk(ast.parse(src)))
     return any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in nodes) and any(isinstance(n, (ast.Expr, ast.Assign)) for n in nodes)
 
@@ -199,3 +200,4 @@ def test_imports_in_cells_of_their_own(nb):
 def test_imports_rule_has_teeth():
     assert imports_and_other_code('import math\nx = math.pi') and imports_and_other_code('def f():\n    "doc"\n    import os')
     assert not imports_and_other_code('import math') and not imports_and_other_code('#| export\nimport math\nx = 1')
+    assert not imports_and_other_code('!torchrun train.py') and imports_and_other_code('%time x = 1\nimport os\nx = 2')

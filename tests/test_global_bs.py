@@ -13,9 +13,12 @@ from test_loggers import wandb_run, tb_scalars
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.callback.schedule import GradientAccumulationSchedule
 from fastxtend_accum.distributed import default_world_size
+from fastxtend_accum.messages import doc_link
 from fastxtend_accum.test_utils import digits_learner, digits_mlp, max_param_diff
 
 WORKER = os.path.join(HERE, 'global_bs_worker.py')
+def see(id): return f' (see {doc_link(id)})' # the link the library's warnings end with
+SEE_SIZE = see('size')
 TRAINED = ['ga', 'gas', 'ga_dealt', 'gas_dealt', 'gas_cos_dealt', 'indivisible_dealt', 'gas_indivisible_dealt']
 ONE,TWO = TRAINED,TRAINED + ['ga_off', 'gas_below', 'unwrapped']
 
@@ -109,15 +112,15 @@ def test_indivisible_message(runs):
     for r in res['indivisible_dealt'][2]:
         assert r['messages'] == ["Micro-batches of 16 samples on each of 2 processes do not divide accum_bs=100 over 2 processes "
                                  "(global_bs=True: 50 per process): windows close at 128 samples over all processes (64 per "
-                                 "process), and each step uses the mean gradient over its window"]
+                                 "process), and each step uses the mean gradient over its window" + SEE_SIZE]
     assert res['indivisible_dealt'][1][0]['messages'] == ['Micro-batches of 32 samples do not divide accum_bs=100: windows close '
-                                                          'at 128 samples, and each step uses the mean gradient over its window']
+                                                          'at 128 samples, and each step uses the mean gradient over its window' + SEE_SIZE]
     for r in res['gas_indivisible_dealt'][2]:
         assert r['messages'] == [
             '`start_accum_bs`=100 is not a multiple of the micro-batch size 16 x 2 processes = 32 (global_bs=True): its '
-            'windows hold 128 samples (64 per process)',
+            'windows hold 128 samples (64 per process)' + see('start_accum_bs'),
             '`final_accum_bs`=200 is not a multiple of the micro-batch size 16 x 2 processes = 32 (global_bs=True): its '
-            'windows hold 224 samples (112 per process)']
+            'windows hold 224 samples (112 per process)' + see('final_accum_bs')]
     for r in res['gas_below'][2]:
         assert ('`start_accum_bs`=16 is below the micro-batch size 16 x 2 processes = 32 (global_bs=True): a window holds at '
                 'least one micro-batch on each process') in r['error']
@@ -176,7 +179,7 @@ def test_one_process_indivisible_keeps_its_message():
         fit(GradientAccumulation(100, global_bs=True))
     assert [str(o.message) for o in w if 'divide' in str(o.message)] == [
         'Micro-batches of 16 samples do not divide accum_bs=100: windows close at 112 samples, and each step uses the mean '
-        'gradient over its window']
+        'gradient over its window' + SEE_SIZE]
 
 def test_bad_flag():
     for make in (lambda: GradientAccumulation(64, global_bs='yes'), lambda: GradientAccumulationSchedule(32, 64, global_bs=1)):

@@ -15,7 +15,7 @@ from ..patches import *
 from ..normalize import *
 from ..distributed import *
 from ..precision import FloatGrads
-from ..dealing import deal_windows
+from ..messages import warn, batchnorm_message, small_accum_message
 
 # %% auto #0
 __all__ = ['GradientAccumulation']
@@ -64,7 +64,9 @@ class GradientAccumulation(BatchSplitter):
         "Plan the epoch's windows from the loader's micro-batch sizes, where they are known ahead"
         r = self.windows
         self._drop_open_window(self.epoch-1) # an epoch cut short (`CancelEpochException`) skips `after_train`
-        deal_windows(self) # the same windows on any number of processes (see `dealing`)
+        if self.global_bs and self.deal_windows and self.windows.world_size > 1: # the same windows on any number of processes
+            from fastxtend_accum.dealing import deal_windows # fastai.distributed, imported only where processes train
+            deal_windows(self)
         r.plan = self._plan_for(self.dl)
         if r.auto is not None: r.auto.pending = True # read at the first micro-batch, after every `before_train`
         r.i_window,r.skipped_tail = -1,False
@@ -272,7 +274,8 @@ class GradientAccumulation(BatchSplitter):
         c,held,l = window_totals(w, window_key(self.epoch, r.i_window), sync.reduce, sync.world_size, sync.rank, sync.device)
         if not held: return self._abandon_window() # over all processes, every micro-batch was cancelled
         if sync.world_size > 1 and not w.sum_reduced: r.rate = c/held # the next window's rho: the same on every process
-        if 'size' not in r.warned and r.overfilled(): self._warn_once('size', r.size_message(held))
+        if 'size' not in r.warned and r.overfilled(): self._warn_once('size', small_accum_message(r.window_bs, r.mb_samples,
+            type(self).__name__) if r.mb_samples > r.window_bs and not r.count_globally else r.size_message(held))
         w.record = w.loss(c, l)
         scale = w.scale(sync.world_size, c)
         # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
@@ -359,8 +362,9 @@ class GradientAccumulation(BatchSplitter):
         r = self.windows
         if r.bn_checked: return # once per fit, at its first window (the model is in training mode by then)
         r.bn_checked = True
-        if trains_batchnorm(self.model):
-            self._warn_once('bn', "The model has BatchNorm layers in training mode: their batch statistics come from each "
-                            "micro-batch, not from the accumulated batch (consider `GroupNorm`/`LayerNorm`, or frozen BatchNorm)")
+        if (msg := batchnorm_message(self.model)) is not None: self._warn_once('batchnorm', msg)
 
-    def _warn_once(self, key, msg): warn_once(self.windows.warned, key, msg)
+    def _warn_once(self, key, msg):
+        if key in self.windows.warned: return
+        self.windows.warned.add(key)
+        warn(msg, key) # at the user's line; `key` is the message's anchor on the troubleshooting page

@@ -14,6 +14,7 @@ from ..patches import *
 from ..normalize import *
 from ..distributed import WindowSync, window_sync, check_grad_sync, split_loader
 from ..precision import FloatGrads
+from ..messages import warn, batchnorm_message
 
 # %% auto #0
 __all__ = ['split_sizes', 'next_micro_bs', 'slice_batch', 'MixSplit', 'RowStates', 'MicroBatching']
@@ -405,9 +406,7 @@ class MicroBatching(BatchSplitter):
     def _check_bn(self):
         if self._warned: return
         self._warned = True
-        if trains_batchnorm(self.learn.model):
-            warnings.warn("The model has BatchNorm layers in training mode: their batch statistics come from each "
-                          "micro-batch, not from the whole batch (consider `GroupNorm`/`LayerNorm`, or frozen BatchNorm)", stacklevel=3)
+        if (msg := batchnorm_message(self.learn.model, 'whole batch')) is not None: warn(msg, 'batchnorm')
 
     def _zero_grads(self):
         self.fgrads.drop()

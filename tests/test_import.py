@@ -1,0 +1,46 @@
+"""Importing the library prints nothing (issue 27): `from fastxtend_accum.all import *` leaves fastai.distributed and
+Accelerate unimported (their import prints tqdm's "IProgress not found" in Jupyter), in a Jupyter kernel too; the patch of
+fastai's `DistributedTrainer` still applies when the user imports fastai.distributed, before or after the library."""
+import os, subprocess, sys, textwrap
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1')
+
+def python(code):
+    p = subprocess.run([sys.executable, '-c', textwrap.dedent(code)], capture_output=True, text=True, timeout=180, env=ENV, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+def test_import_all_is_silent_and_leaves_accelerate_out():
+    p = python('''
+        import sys
+        from fastxtend_accum.all import * # Python's default warning filters: what a user's script shows
+        assert 'fastai.distributed' not in sys.modules and 'accelerate' not in sys.modules, 'imported eagerly'
+    ''')
+    assert (p.stdout, p.stderr) == ('', '')
+
+@pytest.mark.parametrize('first', ['library', 'fastai'])
+def test_distributed_trainer_patched_whichever_comes_first(first):
+    lib,fastai = 'from fastxtend_accum.all import *', 'from fastai.distributed import DistributedTrainer'
+    python(f'''
+        {lib if first == 'library' else fastai}
+        {fastai if first == 'library' else lib}
+        from types import SimpleNamespace
+        from fastcore.test import test_fail
+        import fastxtend_accum.sharded as S
+        assert DistributedTrainer.before_fit.__module__ == 'fastxtend_accum.sharded', DistributedTrainer.before_fit.__module__
+        S.is_sharded = lambda m: True # the patch's check, reached without a process group
+        test_fail(lambda: DistributedTrainer.before_fit(SimpleNamespace(model=None)), contains='learn.sharded_ctx()')
+    ''')
+
+def test_import_in_a_jupyter_kernel_prints_nothing():
+    "In a real kernel (where tqdm.auto warns), the import's cell has no output at all"
+    nbformat,nbclient = pytest.importorskip('nbformat'),pytest.importorskip('nbclient')
+    pytest.importorskip('ipykernel') # in the notebook toolchain's environment (.venv-nbdev): `make pytest` runs both
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(f'import sys; sys.path.insert(0, {ROOT!r})\nfrom fastxtend_accum.all import *'),
+                                         nbformat.v4.new_code_cell('import fastai.distributed')])
+    nbclient.NotebookClient(nb, timeout=180, kernel_name='python3', cwd=ROOT).execute()
+    assert nb.cells[0].outputs == [], nb.cells[0].outputs
+    # the control: fastai.distributed itself does print it here, so the check above could fail
+    assert any('IProgress' in ''.join(o.get('text', '')) for o in nb.cells[1].outputs), nb.cells[1].outputs

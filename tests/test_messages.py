@@ -1,0 +1,98 @@
+"""Messages a user sees on day one (issue 27): each warning names the user's own line (the warning's filename and line are
+this file's, through fastai's event dispatch), the BatchNorm warning names the fix for the learner at hand, and an
+`accum_bs` smaller than a micro-batch says that it counts samples. Real fits: digits, breast cancer, CPython's help text."""
+import sys, warnings
+import pandas as pd
+from fastai.basics import *
+from fastai.tabular.all import TabularDataLoaders, tabular_learner, tabular_config, Normalize, CategoryBlock
+from fastxtend_accum.all import *
+from fastxtend_accum.messages import DOCS_URL, batchnorm_layers
+from fastxtend_accum.test_utils import *
+
+def fit_warnings(learn, fit=lambda l: l.fit(1)):
+    "The warnings a quiet `fit(learn)` gives, and the line of this file that calls fastai (`fit`'s)"
+    with warnings.catch_warnings(record=True) as w, learn.no_bar(), learn.no_logging():
+        warnings.simplefilter('always')
+        fit(learn)
+    return [o for o in w if issubclass(o.category, UserWarning)], fit.__code__.co_firstlineno
+
+def ours(ws, word): return [o for o in ws if word in str(o.message)]
+
+def assert_at(w, line):
+    "The warning points at this file's line `line` (the user's `learn.fit`), not into fastai or the library"
+    assert (w.filename, w.lineno) == (__file__, line), (w.filename, w.lineno, str(w.message))
+
+def tabular(bs=64, cbs=None, **config):
+    from sklearn.datasets import load_breast_cancer
+    d = load_breast_cancer(as_frame=True)
+    set_seed(0)
+    dls = TabularDataLoaders.from_df(d.frame, procs=[Normalize], cont_names=list(d.feature_names), y_names='target',
+                                     y_block=CategoryBlock(), valid_idx=list(range(455, 569)), bs=bs, num_workers=0, device='cpu')
+    return tabular_learner(dls, layers=[16], config=tabular_config(**config), cbs=cbs)
+
+def test_tabular_batchnorm_names_tabular_config():
+    ws,line = fit_warnings(tabular(16, GradientAccumulation(64)))
+    bn = ours(ws, 'BatchNorm')
+    assert len(bn) == 1, [str(o.message) for o in ws]
+    msg = str(bn[0].message)
+    assert 'tabular_config(use_bn=False, bn_cont=False)' in msg and 'GroupNorm' not in msg, msg
+    assert f'{DOCS_URL}#batchnorm' in msg
+    assert_at(bn[0], line)
+
+def test_tabular_fix_removes_the_warning():
+    learn = tabular(16, GradientAccumulation(64), use_bn=False, bn_cont=False)
+    assert batchnorm_layers(learn.model) == []
+    ws,_ = fit_warnings(learn)
+    assert ours(ws, 'BatchNorm') == []
+
+def test_users_module_batchnorm_through_fit_one_cycle():
+    "A module of the user's own: GroupNorm/LayerNorm or frozen BatchNorm; the line is the user's, through `fit_one_cycle`"
+    learn = digits_learner(16, cbs=GradientAccumulation(64), bn=True)
+    ws,line = fit_warnings(learn, lambda l: l.fit_one_cycle(1, 1e-2))
+    bn = ours(ws, 'BatchNorm')
+    assert len(bn) == 1 and 'GroupNorm' in str(bn[0].message)
+    assert_at(bn[0], line)
+
+def test_microbatching_batchnorm():
+    learn = digits_learner(64, cbs=MicroBatching(16, verbose=False), bn=True)
+    ws,line = fit_warnings(learn)
+    bn = ours(ws, 'BatchNorm')
+    assert len(bn) == 1 and 'whole batch' in str(bn[0].message), [str(o.message) for o in ws]
+    assert_at(bn[0], line)
+
+def test_text_classifier_batchnorm_fix():
+    "`text_classifier_learner`'s head holds BatchNorm: the message's fix removes every one, and the warning with them"
+    from fastai.text.all import text_classifier_learner, AWD_LSTM, TextDataLoaders
+    from pydoc_data.topics import topics
+    texts = [topics[k][:300] for k in sorted(topics)][:96]
+    df = pd.DataFrame({'text': texts, 'label': [len(t) % 2 for t in texts]})
+    set_seed(0)
+    dls = TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=0.25, bs=8, seq_len=16, num_workers=0, device='cpu')
+    cfg = dict(emb_sz=16, n_hid=16, n_layers=1)
+    learn = text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=cfg, cbs=GradientAccumulation(32))
+    ws,line = fit_warnings(learn)
+    bn = ours(ws, 'BatchNorm')
+    assert len(bn) == 1 and 'learn.model[1].layers' in str(bn[0].message), [str(o.message) for o in ws]
+    assert_at(bn[0], line)
+    for layer in learn.model[1].layers: layer[0] = nn.Identity() # the message's fix, as written
+    assert batchnorm_layers(learn.model) == []
+    ws,_ = fit_warnings(learn)
+    assert ours(ws, 'BatchNorm') == []
+
+def test_accum_bs_smaller_than_a_micro_batch():
+    "GradientAccumulation(4) on batches of 16: a user counting micro-batches; the message says what accum_bs counts"
+    learn = digits_learner(16, cbs=GradientAccumulation(4))
+    ws,line = fit_warnings(learn)
+    small = ours(ws, 'accum_bs=4')
+    assert len(small) == 1, [str(o.message) for o in ws]
+    msg = str(small[0].message)
+    assert 'counts samples' in msg and 'accum_bs=64' in msg and 'nothing accumulates' in msg, msg
+    assert_at(small[0], line)
+    test_eq(learn.gradient_accumulation.n_steps, len(learn.dls.train)) # one step per micro-batch: what the message says
+
+def test_indivisible_still_says_divide():
+    "accum_bs larger than a micro-batch but not a multiple: the usual message, at the user's line"
+    ws,line = fit_warnings(digits_learner(24, cbs=GradientAccumulation(64)))
+    msgs = ours(ws, 'do not divide')
+    assert len(msgs) == 1 and f'{DOCS_URL}#size' in str(msgs[0].message)
+    assert_at(msgs[0], line)
