@@ -61,7 +61,9 @@ class WindowSync:
 
     def micro_batch(self, closes:bool):
         "Hold the engine's policy for one micro-batch's forward and backward (`closes`: the window's last), however it ends"
-        return _NOTHING if self.world_size == 1 else self._held(closes) # one process: nothing to hold, nothing to build
+        # an engine without a policy (one process): nothing to hold, nothing to build. Not `world_size == 1`: DDP over a
+        # group of one still all-reduces in its backward
+        return _NOTHING if type(self)._policy is WindowSync._policy else self._held(closes)
     @contextlib.contextmanager
     def _held(self, closes:bool):
         with contextlib.ExitStack() as stack:
