@@ -32,7 +32,7 @@ $(USER_ENV)/.installed: requirements/latest.lock setup.py settings.ini
 # Only `make bench` builds it; the users' .venv never gets them.
 $(BENCH_ENV)/.installed: requirements/bench.lock requirements/bench-nodeps.lock setup.py settings.ini
 	rm -rf $(BENCH_ENV) && $(PY) -m venv $(BENCH_ENV)
-	$(BENCH_ENV)/bin/pip install -qq -r requirements/bench.lock
+	$(BENCH_ENV)/bin/pip install -qq --no-deps -r requirements/bench.lock
 	$(BENCH_ENV)/bin/pip install -qq --no-deps -r requirements/bench-nodeps.lock
 	$(BENCH_ENV)/bin/pip install -qq --no-deps --no-build-isolation -e .
 	touch $@

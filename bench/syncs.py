@@ -2,8 +2,9 @@
 
 A `TorchDispatchMode` sees the ATen ops that read a device value on the host: `aten._local_scalar_dense` (`.item()`,
 `bool()`, `float()`, `int()` of a tensor), `aten.is_nonzero`, `aten.equal`. A `TorchFunctionMode` sees the copies to the
-host that no ATen op reveals on the CPU: `.cpu()`, `.to('cpu')`, `.tolist()`, `.numpy()` (`.item()` is counted once,
-by its ATen op). On the CPU every tensor is on the host, so what a data loader does with its own host tensors would be
+host that no ATen op reveals on the CPU: `.cpu()`, `.tolist()`, `.numpy()` (`.item()` is counted once, by its ATen op).
+`.to(device)` is not counted: on a CPU run the training device is the host, so a copy of a batch to the device (no sync
+with a GPU: the host goes on) cannot be told apart from a copy back to the host. On the CPU every tensor is on the host, so what a data loader does with its own host tensors would be
 counted too: `paused()` (or `pause_loader`) leaves the loader's work out, as it stays on the host with a GPU. Likewise
 `torch.optim` keeps each parameter's `step` count on the host (unless `capturable`/`fused`) and reads it with `.item()`:
 reads made inside `torch/optim/` are kept apart, in `host_reads`, not counted as syncs.
@@ -19,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ['SyncCounter', 'pause_loader', 'SYNC_OPS', 'HOST_COPIES']
+__all__ = ['SyncCounter', 'pause_loader', 'paused_iter', 'SYNC_OPS', 'HOST_COPIES']
 
 _aten = torch.ops.aten
 SYNC_OPS = {_aten._local_scalar_dense.default: 'item/bool/float', _aten.is_nonzero.default: 'is_nonzero',
@@ -41,12 +42,6 @@ def _site(f)->str:
     parts = f.f_code.co_filename.replace('\\', '/').split('/')
     return f"{'/'.join(parts[-2:])}:{f.f_lineno} ({f.f_code.co_name})"
 
-def _to_host(args, kwargs)->bool:
-    "Whether a `Tensor.to` call copies to the CPU"
-    for a in list(args[1:]) + [kwargs.get('device')]:
-        if isinstance(a, (str, torch.device)) and torch.device(a).type == 'cpu': return True
-    return False
-
 class _Dispatch(TorchDispatchMode):
     def __init__(self, owner): super().__init__(); self.owner = owner
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -59,7 +54,6 @@ class _Function(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = HOST_COPIES.get(func)
-        if kind is None and func is torch.Tensor.to and _to_host(args, kwargs): kind = ".to('cpu')"
         if kind is not None: self.owner._count(kind)
         return func(*args, **kwargs)
 
@@ -95,15 +89,17 @@ class SyncCounter:
     def report(self, top:int=5)->str:
         return ', '.join(f"{n} x {k} at {s}" for (k,s),n in self.by_site.most_common(top))
 
+def paused_iter(it, counter:SyncCounter):
+    "Iterate over `it` (an iterable, or a function that returns an iterator) with `counter` paused while it makes each item"
+    with counter.paused(): it = it() if callable(it) else iter(it)
+    while True:
+        with counter.paused():
+            try: b = next(it)
+            except StopIteration: return
+        yield b
+
 def pause_loader(dl, counter:SyncCounter):
     "Make `dl` (a PyTorch or fastai loader) yield its batches with `counter` paused: what it does on the host is not a sync"
     cls = type(dl)
-    def __iter__(self):
-        it = cls.__iter__(self)
-        while True:
-            with counter.paused():
-                try: b = next(it)
-                except StopIteration: return
-            yield b
-    dl.__class__ = type(cls.__name__, (cls,), {'__iter__': __iter__})
+    dl.__class__ = type(cls.__name__, (cls,), {'__iter__': lambda self: paused_iter(lambda: cls.__iter__(self), counter)})
     return dl
