@@ -244,7 +244,7 @@ class FastaiRun(Run):
     def lrs(self): return list(self.learn.recorder.lrs)
     def pause_in_loader(self, counter):
         from syncs import pause_loader
-        pause_loader(self.learn.dls.train, counter)
+        for dl in self.learn.dls.loaders: pause_loader(dl, counter) # the (empty) validation loader runs too
 
 def builders()->dict:
     "For each peer: `Setup -> Run` (raises ImportError where the peer is not installed)"
@@ -299,9 +299,10 @@ def bench_time(reps, n_epoch, skipped)->dict:
     targets = []
     for a,b in TARGETS:
         if a not in rows or b not in rows: continue
-        ra,rb = rows[a]['x_torch_loop']['median'],rows[b]['x_torch_loop']['median']
-        per_rep = spread(ta/tb for ta,tb in zip(cpu[a], cpu[b]))
-        targets.append(dict(variant=a, reference=b, ratio_of_ratios=ra/rb, side_by_side=per_rep, met=ra <= rb*(1.02 if b == GA_SAMPLES else 1.)))
+        # the two ratios to the PyTorch loop compared: the same as the two times compared side by side in each repetition
+        r,target = spread(ta/tb for ta,tb in zip(cpu[a], cpu[b])),(1.02 if b == GA_SAMPLES else 1.)
+        targets.append(dict(measure='CPU time', variant=a, reference=b, **r, x_torch_loop=[rows[a]['x_torch_loop']['median'],
+                            rows[b]['x_torch_loop']['median']], target=target, met=r['median'] <= target))
     return dict(n_epoch=n_epoch, reps=reps, micro_batches=n_mb, rows=rows, targets=targets)
 
 # --- 2. host syncs ---
@@ -412,10 +413,11 @@ def report(res:dict)->tuple[str,str]:
                  "micro-batches), median [min, max]")
         out += [title, '', md_table(['way to train', 'us / micro-batch', 'x PyTorch loop'], rows), '']
         if t['targets']:
-            trows = [[f"{r['variant']} vs {r['reference']}", f"{r['ratio_of_ratios']:.3f}", fmt_spread(r['side_by_side'], '{:.3f}'),
-                      '<= 1.02' if r['reference'] == GA_SAMPLES else '<= 1.00', 'met' if r['met'] else '**not met**'] for r in t['targets']]
-            out += ['Targets (issue 26): the ratio to the PyTorch loop at or below the peer\'s.', '',
-                    md_table(['comparison', 'ratio of the x-PyTorch-loop medians', 'time ratio side by side', 'target', ''], trows), '']
+            trows = [[f"{r['variant']} / {r['reference']}", fmt_spread(r, '{:.3f}'), f"{r['x_torch_loop'][0]:.2f} vs {r['x_torch_loop'][1]:.2f}",
+                      f"<= {r['target']:.2f}", 'met' if r['met'] else '**not met**'] for r in t['targets']]
+            out += ["Targets (issue 26): this library's callback at or below the peer's ratio to the PyTorch loop, i.e. its CPU time "
+                    "over the peer's, measured side by side in each repetition, at most 1 ('auto' at most 1.02x 'samples').", '',
+                    md_table(['CPU time ratio', 'median [min, max]', 'x PyTorch loop, both', 'target', ''], trows), '']
     sy = res.get('syncs')
     if sy:
         rows = [[k, f"{v['per_step']:.2f}", f"{v['per_micro_batch']:.2f}", ', '.join(f'{n} {kind}' for kind,n in v['by_kind'].items()) or '-',
@@ -458,6 +460,7 @@ def main(argv=None):
     if 'syncs' in parts: res['syncs'] = bench_syncs(res['skipped'])
     if 'exact' in parts: res['exact'] = bench_exact(res['skipped'], n_epoch=1 if a.quick else 2)
     if 'memory' in parts: res['memory'] = bench_memory(res['skipped'], reps=1 if a.quick else 2)
+    if 'time' in res: res['models'] = {'mlp': dict(ratios=res['time']['targets'])} # for run.py's summary of targets
     res['load_end'] = [round(o, 2) for o in os.getloadavg()]
     res['seconds'] = time.perf_counter()-start
     text,md = report(res)
