@@ -9,30 +9,25 @@ The setup of `peers.py` (CPU, 1 thread, digits repeated to 3,200 samples, MLP 64
 2. **cProfile** (`--cprofile`): the functions with the most own time, per micro-batch (cProfile inflates small calls).
 3. **Micro-timings**: what one event dispatch costs with the fit's callbacks and no handler, what sorting the callbacks
    costs, what `Callback.__getattr__`'s fallthrough to the Learner and `Callback.__setattr__`'s shadowing check cost.
+4. **What-if**: prototypes of a cheaper event dispatch that calls the same callbacks with the same events, timed side by
+   side with the fit as it is (and checked to train and record identically).
 
-Writes `results/profile.md` (and prints it)."""
+Prints the report; `--out results/profile.md` also writes it, and `run.py` then shows it on the benchmarks page."""
 from __future__ import annotations
 import argparse, cProfile, functools, io, pstats, sys, time
 from collections import defaultdict
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import *
+from peers import MICRO_BS, ACCUM_BS
 
 import torch
 from torch import nn
 
-def fastai_learner(cb=None, bs=32, n=3200, model=None, opt='adam'):
-    "A `Learner` on digits repeated to `n` samples, fastai's loader (`num_workers=0`), no validation set, no bar, no logger"
-    from fastai.basics import Learner, DataLoaders, Adam, SGD, noop
-    from fastai.callback.progress import ProgressCallback
-    x,y = digits_tensors(n)
-    torch.manual_seed(0)
-    dls = DataLoaders.from_dsets(list(zip(x, y)), [], bs=bs, num_workers=0, device='cpu')
-    learn = Learner(dls, model if model is not None else mlp(128, 2), loss_func=nn.CrossEntropyLoss(),
-                    opt_func=Adam if opt == 'adam' else SGD, lr=1e-3, cbs=[] if cb is None else [cb])
-    learn.remove_cb(ProgressCallback)
-    learn.logger = noop
-    return learn
+def fastai_learner(cb=None):
+    "The `Learner` of `peers.py`'s fastai rows: digits repeated to 3,200, fastai's loader (`num_workers=0`), bs 32, no validation set"
+    from peers import Setup, fastai_learner as learner
+    return learner(Setup(), MICRO_BS, [] if cb is None else [cb])
 
 # (label, owner, attribute): the functions timed, each under the label of the part it belongs to
 def targets():
@@ -332,7 +327,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     set_threads(1)
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
-    make = lambda: GradientAccumulation(128, normalize_by=a.normalize_by, log_accum_batch=bool(a.log_accum_batch))
+    make = lambda: GradientAccumulation(ACCUM_BS, normalize_by=a.normalize_by, log_accum_batch=bool(a.log_accum_batch))
     cfg = (f"`GradientAccumulation(128, normalize_by='{a.normalize_by}', log_accum_batch={bool(a.log_accum_batch)})`, "
            f"`fit({a.epochs})`, median of {a.reps} repetitions; {describe(machine())}")
     secs = sections(make, a.epochs, a.reps)

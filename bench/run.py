@@ -123,6 +123,8 @@ def write_readme(out:Path, results:dict, runs:dict):
         else: lines += [f'## {name}', '', '```json', json.dumps(res, indent=1)[:6000], '```', '']
         png = out/f'{name}.png'
         if png.exists(): lines += [f'![{name}]({png.name})', '']
+    profile = out/'profile.md' # `bench/profile_accum.py --out results/profile.md`: where a micro-batch's host time goes
+    if profile.exists(): lines += [profile.read_text().rstrip(), '']
     (out/'README.md').write_text('\n'.join(lines).rstrip() + '\n')
 
 def write_docs_page(out:Path):
