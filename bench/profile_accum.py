@@ -79,7 +79,7 @@ def targets():
 
 class SectionTimer:
     "Wrap functions so that each label keeps the exclusive thread CPU time of its functions, and count their calls"
-    def __init__(self, clock=time.perf_counter_ns):
+    def __init__(self, clock=time.thread_time_ns):
         self.clock,self.excl,self.calls,self.stack,self.saved = clock,defaultdict(int),defaultdict(int),[],[]
     def wrap(self, label, f):
         clock,stack,excl,calls = self.clock,self.stack,self.excl,self.calls
@@ -122,10 +122,10 @@ def sections(cb_factory, n_epoch, reps):
     runs = []
     for _ in range(reps):
         # the fit untimed by parts, then timed by parts
-        c0 = time.perf_counter_ns(); learn.fit(n_epoch); total = time.perf_counter_ns()-c0
+        c0 = time.thread_time_ns(); learn.fit(n_epoch); total = time.thread_time_ns()-c0
         st = SectionTimer().install(targets())
         try:
-            c0 = time.perf_counter_ns(); learn.fit(n_epoch); timed_total = time.perf_counter_ns()-c0
+            c0 = time.thread_time_ns(); learn.fit(n_epoch); timed_total = time.thread_time_ns()-c0
         finally: st.remove()
         runs.append((total, timed_total, dict(st.excl), dict(st.calls)))
     # the median run by untimed total
@@ -294,7 +294,7 @@ def what_if(cb_factory, n_epoch, reps):
 def report(cfg, secs:dict, top:str, micro:list, wi:dict|None=None)->str:
     lines = ['## Profile: one `GradientAccumulation(128)` micro-batch', '',
              f"{cfg}", '',
-             f"Untimed fit: **{secs['total_us']:.0f} us per micro-batch** (wall-clock time of a process on 1 thread; median of the repetitions). Timed by parts: "
+             f"Untimed fit: **{secs['total_us']:.0f} us per micro-batch** (CPU time of the thread, which leaves out the time other jobs hold the core; median of the repetitions). Timed by parts: "
              f"{secs['timed_total_us']:.0f} us, of which the timer itself {secs['timer_us']:.0f} us "
              f"({secs['timer_ns_per_call']:.0f} ns per wrapped call in this fit, {secs['timer_empty_ns']:.0f} ns around an empty function; "
              f"the former is taken out of each part below, so the parts add up to the untimed fit).", '',
