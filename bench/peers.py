@@ -304,19 +304,30 @@ def bench_time(reps, n_epoch, skipped)->dict:
 # --- 2. host syncs ---
 
 def bench_syncs(skipped)->dict:
+    """Syncs of a fit of 1 epoch and of 2 epochs: what the second epoch adds, over its optimizer steps, is the count per step
+    (an epoch's own syncs spread over its steps); what is left of the first fit is the count per fit (setup, teardown)"""
     from syncs import SyncCounter
     s = Setup(n_epoch=1)
     runs = build(SYNCED, s, skipped)
+    n_steps,n_mb = s.steps_per_epoch(),len(s.samples)//s.micro_bs
     res = {}
     for k,r in runs.items():
+        s.n_epoch = 1
         r.fit() # warm-up: one-time work (first-use checks) is not what a step costs
-        c = SyncCounter()
-        r.pause_in_loader(c)
-        with c: r.fit()
-        n_steps,n_mb = s.steps_per_epoch(),len(s.samples)//s.micro_bs
-        res[k] = dict(total=c.total, per_step=c.total/n_steps, per_micro_batch=c.total/n_mb, by_kind=dict(c.by_kind),
-                      sites=[f"{n} x {kind} at {site}" for (kind,site),n in c.by_site.most_common(6)],
-                      torch_optim_host_reads=sum(c.host_reads.values()))
+        counts = []
+        for n_epoch in (1, 2):
+            s.n_epoch = n_epoch
+            c = SyncCounter()
+            r.pause_in_loader(c)
+            with c: r.fit()
+            counts.append(c)
+        c1,c2 = counts
+        per_epoch = c2.total-c1.total
+        res[k] = dict(per_step=per_epoch/n_steps, per_micro_batch=per_epoch/n_mb, per_fit=c1.total-per_epoch,
+                      by_kind={kind: (n2-c1.by_kind[kind])/n_steps for kind,n2 in c2.by_kind.items()},
+                      sites=[f"{n} x {kind} at {site}" for (kind,site),n in c2.by_site.most_common(6)],
+                      torch_optim_host_reads=sum(c2.host_reads.values()), total_2_epochs=c2.total)
+    s.n_epoch = 1
     return res
 
 # --- 3. exactness ---
@@ -416,10 +427,15 @@ def report(res:dict)->tuple[str,str]:
                     md_table(['CPU time ratio', 'median [min, max]', 'x PyTorch loop, both', 'target', ''], trows), '']
     sy = res.get('syncs')
     if sy:
-        rows = [[k, f"{v['per_step']:.2f}", f"{v['per_micro_batch']:.2f}", ', '.join(f'{n} {kind}' for kind,n in v['by_kind'].items()) or '-',
-                 '; '.join(v['sites'][:3]) or '-'] for k,v in sy.items()]
-        out += ['### Host syncs per optimizer step (one epoch: 25 steps, 100 micro-batches; loaders and torch.optim\'s host step counts left out)', '',
-                md_table(['way to train', 'per step', 'per micro-batch', 'kinds', 'where (most frequent)'], rows), '']
+        rows = [[k, f"{v['per_step']:.2f}", f"{v['per_micro_batch']:.2f}", f"{v['per_fit']:g}",
+                 ', '.join(f'{n:.2f} {kind}' for kind,n in v['by_kind'].items() if n) or '-', '; '.join(v['sites'][:3]) or '-'] for k,v in sy.items()]
+        out += ["### Host syncs per optimizer step",  '',
+                "What a fit of 2 epochs makes beyond a fit of 1 epoch, over that epoch's 25 optimizer steps (100 micro-batches): "
+                "an epoch's own syncs (its records) are spread over its steps; 'per fit' is what the 1-epoch fit made beyond its "
+                "epoch (setup, teardown). `.item()`, `bool()`, `.cpu()`, `.tolist()`, `.numpy()` of tensors that would be on the "
+                "GPU (`bench/syncs.py`); the loaders' work and `torch.optim`'s host step counts are left out. Where: the most "
+                "frequent sites in the 2-epoch fit.", '',
+                md_table(['way to train', 'per step', 'per micro-batch', 'per fit', 'kinds, per step', 'where (most frequent)'], rows), '']
     ex = res.get('exact')
     if ex:
         rows = [[k, v.get('reference', '-'), f"{v['max_param_diff']:.1e}" if 'max_param_diff' in v else v.get('error'),
