@@ -484,8 +484,8 @@ def report(res:dict)->tuple[str,str]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--quick', action='store_true', help='a smoke test: 2 repetitions of 1 epoch, one memory repetition')
-    p.add_argument('--reps', type=int, default=None, help='timed repetitions (default 7, quick 2)')
-    p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 2, quick 1)')
+    p.add_argument('--reps', type=int, default=None, help='timed repetitions (default 15, quick 2)')
+    p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 1: short fits interleaved follow the load more closely)')
     p.add_argument('--parts', default='time,syncs,exact,memory')
     p.add_argument('--out', type=Path, default=RESULTS)
     a = p.parse_args(argv)
@@ -495,7 +495,7 @@ def main(argv=None):
     res = dict(benchmark='peers', machine=machine(), versions=versions(), config=dict(threads=1, quick=a.quick, n_train=N_TRAIN,
                micro_bs=MICRO_BS, accum_bs=ACCUM_BS), skipped={})
     parts = a.parts.split(',')
-    if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 7), a.epochs or (1 if a.quick else 2), res['skipped'])
+    if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 15), a.epochs or 1, res['skipped'])
     if 'syncs' in parts: res['syncs'] = bench_syncs(res['skipped'])
     if 'exact' in parts: res['exact'] = bench_exact(res['skipped'], n_epoch=1 if a.quick else 2)
     if 'memory' in parts: res['memory'] = bench_memory(res['skipped'], reps=1 if a.quick else 2)
