@@ -20,7 +20,7 @@ fastai's `Adam` (what each framework's users get). Four measures:
    logging each peer does by default, and the variants that change it.
 3. **Exactness**: each peer in float64 under a one-cycle schedule against the large batch of its own framework (fastai's
    `fit_one_cycle` with batches of 128 for the fastai rows; PyTorch's `OneCycleLR` stepped per optimizer step with batches
-   of 128 for the PyTorch, Accelerate and Lightning loops): the largest parameter difference after 2 epochs, and whether
+   of 128 for the PyTorch and Accelerate loops, and in Lightning without accumulation for Lightning): the largest parameter difference after 2 epochs, and whether
    the learning rates the optimizer received match.
 4. **Peak memory**: each peer in a forked process of its own, one epoch of one step (4 micro-batches of 256) with an MLP
    64-4096-10 whose activations dominate; the increase of the resident set (`VmHWM` reset after a warm-up epoch) over the
@@ -361,19 +361,24 @@ def bench_exact(skipped, n_epoch=2, lr=1e-2)->dict:
     s = Setup(dtype=torch.float64, one_cycle=True, n_epoch=n_epoch, lr=lr)
     warnings.simplefilter('ignore')
     refs = {'torch': TorchLoop(s, bs=s.accum_bs), 'fastai': FastaiRun(s, bs=s.accum_bs, as_shipped=True)}
+    # Lightning's own large batch: its second epoch's batches are not those of iterating the same seeded loader twice
+    # (the PyTorch loop's), so each Lightning run is compared with Lightning without accumulation on batches of 128
+    try: refs['lightning'] = LightningLoop(s, accumulate=1, bs=s.accum_bs)
+    except ImportError: pass
     for r in refs.values(): r.fit()
     runs = build(EXACT, s, skipped)
     res = {}
     for k,r in runs.items():
         try: r.fit()
         except Exception as e: res[k] = dict(error=f'{type(e).__name__}: {str(e)[:200]}'); continue
-        fam = 'torch' if k in TORCH_FAMILY else 'fastai'
+        fam = 'lightning' if k in (LIGHTNING, LIGHTNING_LOG) else 'torch' if k in TORCH_FAMILY else 'fastai'
         ref = refs[fam]
         la,lb = r.lrs(),ref.lrs()
         lrs = ('same' if len(la) == len(lb) and max((abs(a-b) for a,b in zip(la, lb)), default=0.) <= 1e-12
                else f'differ ({len(la)} records vs {len(lb)})' if len(la) != len(lb)
                else f'differ (max {max(abs(a-b) for a,b in zip(la, lb)):.2e})')
-        res[k] = dict(reference=f"{'PyTorch loop + OneCycleLR' if fam == 'torch' else 'fastai fit_one_cycle'}, batches of {s.accum_bs}",
+        what = dict(torch='PyTorch loop + OneCycleLR', lightning="Lightning + OneCycleLR (interval 'step')", fastai='fastai fit_one_cycle')[fam]
+        res[k] = dict(reference=f"{what}, batches of {s.accum_bs}",
                       max_param_diff=max_diff(r.model, ref.model), lrs=lrs, dtype=str(next(r.model.parameters()).dtype))
     return dict(n_epoch=n_epoch, lr=lr, rows=res)
 
