@@ -42,6 +42,7 @@ N_TRAIN,MICRO_BS,ACCUM_BS = 3200,32,128
 K = ACCUM_BS//MICRO_BS
 
 TORCH_LOOP = 'PyTorch loop (the floor)'
+TORCH_TENSORS = 'PyTorch loop, batches sliced out of tensors (no loader)'
 ACCELERATE = 'Accelerate accumulate()'
 LIGHTNING = f'Lightning accumulate_grad_batches={K}'
 LIGHTNING_LOG = f'Lightning accumulate_grad_batches={K}, self.log(prog_bar=True)'
@@ -65,7 +66,7 @@ GA_SAMPLES_FAST = "GradientAccumulation(128, normalize_by='samples') + fast disp
 # also not a target: the library's callback with PyTorch's AdamW (foreach) through fastai's `OptimWrapper`, the optimizer the
 # PyTorch, Accelerate and Lightning loops use, instead of fastai's `Adam` (a Python loop over the parameters)
 GA_TORCH_OPT = "GradientAccumulation(128), OptimWrapper(torch AdamW)"
-TIMED = [TORCH_LOOP, ACCELERATE, LIGHTNING, FASTAI_NOACC, FASTAI_GA, FASTXTEND, GA_AUTO, GA_SAMPLES, SCHED, MICRO, MICRO_SAMPLES,
+TIMED = [TORCH_LOOP, TORCH_TENSORS, ACCELERATE, LIGHTNING, FASTAI_NOACC, FASTAI_GA, FASTXTEND, GA_AUTO, GA_SAMPLES, SCHED, MICRO, MICRO_SAMPLES,
          GA_FAST, GA_SAMPLES_FAST, GA_TORCH_OPT]
 SYNCED = [TORCH_LOOP, ACCELERATE, LIGHTNING, LIGHTNING_LOG, FASTAI_NOACC, FASTAI_GA, FASTXTEND, GA_AUTO, GA_AUTO_NOLOG, GA_SAMPLES,
           GA_SAMPLES_NOLOG, SCHED, SCHED_SAMPLES, SCHED_NOLOG, SCHED_SAMPLES_NOLOG, MICRO, MICRO_SAMPLES]
@@ -133,6 +134,13 @@ class TorchLoop(Run):
             cpu += time.process_time()-c0
         return cpu
     def lrs(self): return self._lrs
+
+class TensorBatches:
+    "Shuffled batches indexed out of the tensors, no collation: what the loop costs without a loader"
+    def __init__(self, x, y, bs): self.x,self.y,self.bs,self.generator = x,y,bs,torch.Generator()
+    def __iter__(self):
+        idx = torch.randperm(len(self.x), generator=self.generator)
+        for i in range(0, len(idx) - len(idx)%self.bs, self.bs): yield self.x[idx[i:i+self.bs]],self.y[idx[i:i+self.bs]]
 
 class AccelerateLoop(Run):
     "Accelerate's documented loop: `with accelerator.accumulate(model)`, `accelerator.backward(loss)`, step and zero_grad every time"
@@ -279,7 +287,10 @@ def builders()->dict:
     def fastxtend_ga(s):
         from fastxtend.callback.gradaccum import GradientAccumulation
         return FastaiRun(s, lambda: GradientAccumulation(s.accum_bs), as_shipped=True)
-    return {TORCH_LOOP: TorchLoop, ACCELERATE: AccelerateLoop, LIGHTNING: LightningLoop,
+    def tensor_loop(s):
+        r = TorchLoop(s); r.dl = TensorBatches(s.x, s.y, s.micro_bs)
+        return r
+    return {TORCH_LOOP: TorchLoop, TORCH_TENSORS: tensor_loop, ACCELERATE: AccelerateLoop, LIGHTNING: LightningLoop,
             LIGHTNING_LOG: lambda s: LightningLoop(s, log=True),
             FASTAI_NOACC: lambda s: FastaiRun(s, as_shipped=True), FASTAI_GA: fastai_ga, FASTXTEND: fastxtend_ga,
             GA_AUTO: ours('ga'), GA_SAMPLES: ours('ga', normalize_by='samples'),
@@ -400,7 +411,7 @@ def _memory_child(name, batch, k)->dict:
 def bench_memory(skipped, batch=1024, k=4, reps=2)->dict:
     from memory import set_mmap_threshold
     names = ['PyTorch loop, no accumulation', 'PyTorch loop, large batch'] + [n for n in TIMED if n not in skipped and n not in
-                                                                               (FASTAI_NOACC, GA_FAST, GA_SAMPLES_FAST, GA_TORCH_OPT)]
+                                                                               (FASTAI_NOACC, GA_FAST, GA_SAMPLES_FAST, GA_TORCH_OPT, TORCH_TENSORS)]
     res = {n: [] for n in names}
     for _ in range(reps):
         for name in names:
