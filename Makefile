@@ -5,6 +5,7 @@ SHELL := /bin/bash
 PY ?= python3
 NBDEV_ENV := .venv-nbdev
 USER_ENV := .venv
+BENCH_ENV := .venv-bench
 # W&B never talks to a server from here; TensorBoard writes plain event files
 export WANDB_MODE := offline
 export WANDB_SILENT := true
@@ -25,6 +26,15 @@ $(USER_ENV)/.installed: requirements/latest.lock setup.py settings.ini
 	rm -rf $(USER_ENV) && $(PY) -m venv $(USER_ENV)
 	$(USER_ENV)/bin/pip install -qq -r requirements/latest.lock
 	$(USER_ENV)/bin/pip install -qq --no-deps --no-build-isolation -e .
+	touch $@
+
+# The benchmarks' environment: the users' pins plus the optional peers (Lightning; fastxtend 0.1.7 without its deps).
+# Only `make bench` builds it; the users' .venv never gets them.
+$(BENCH_ENV)/.installed: requirements/bench.lock requirements/bench-nodeps.lock setup.py settings.ini
+	rm -rf $(BENCH_ENV) && $(PY) -m venv $(BENCH_ENV)
+	$(BENCH_ENV)/bin/pip install -qq --no-deps -r requirements/bench.lock
+	$(BENCH_ENV)/bin/pip install -qq --no-deps -r requirements/bench-nodeps.lock
+	$(BENCH_ENV)/bin/pip install -qq --no-deps --no-build-isolation -e .
 	touch $@
 
 demo: $(USER_ENV)/.installed
@@ -87,8 +97,9 @@ pytest: env
 
 test: env check-export check-readme check-wheel nbtest pytest
 
-bench: $(USER_ENV)/.installed
-	$(USER_ENV)/bin/python bench/run.py
+# bench/run.py runs in the users' .venv; its peers.py (Lightning, Accelerate, fastxtend beside this library) in .venv-bench
+bench: $(USER_ENV)/.installed $(BENCH_ENV)/.installed
+	$(USER_ENV)/bin/python bench/run.py --peers-python $(BENCH_ENV)/bin/python
 
 clean:
-	rm -rf $(NBDEV_ENV) $(USER_ENV) $(WANDB_DIR) _proc _docs
+	rm -rf $(NBDEV_ENV) $(USER_ENV) $(BENCH_ENV) $(WANDB_DIR) _proc _docs

@@ -1,7 +1,8 @@
 """Run every benchmark in `bench/` and gather the results: `results/*.json`, `results/README.md`, the plots.
 
 Runs `overhead.py`, `memory.py` and `precision.py`, then `distributed.py` and `sharded.py` where they exist and `microbatch_gpu.py` where it
-exists and CUDA is available, each in its own process (`--quick` is passed on to those that take it). Then writes `results/README.md`
+exists and CUDA is available, and `peers.py` (with `--peers-python`: `make bench` gives it `.venv-bench`, where Lightning and
+fastxtend are installed), each in its own process (`--quick` is passed on to those that take it). Then writes `results/README.md`
 (the machine, a summary of the targets, each benchmark's table) and `results/overhead.png`, `results/memory.png`;
 `results/runs.json` keeps the machine and the runs, so that `--no-run` rebuilds the README and plots from the JSON files."""
 from __future__ import annotations
@@ -10,12 +11,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import *
 
-SCRIPTS = ['overhead.py', 'memory.py', 'precision.py', 'distributed.py', 'sharded.py', 'microbatch_gpu.py']
+SCRIPTS = ['overhead.py', 'memory.py', 'precision.py', 'distributed.py', 'sharded.py', 'microbatch_gpu.py', 'peers.py']
 NEEDS_CUDA = {'microbatch_gpu.py'}
 
 def takes(script:Path, flag:str)->bool: return f"'{flag}'" in script.read_text() or f'"{flag}"' in script.read_text()
 
-def run_scripts(quick:bool, out:Path)->list[dict]:
+def run_scripts(quick:bool, out:Path, peers_python:str|None=None)->list[dict]:
     import torch
     done = []
     for name in SCRIPTS:
@@ -27,9 +28,10 @@ def run_scripts(quick:bool, out:Path)->list[dict]:
             continue
         args = [str(script)] + (['--quick'] if quick and takes(script, '--quick') else []) + \
                (['--out', str(out)] if takes(script, '--out') else [])
-        print(f"== {run_line(args)}", flush=True)
+        python = peers_python if name == 'peers.py' and peers_python else sys.executable
+        print(f"== {run_line(args) if python == sys.executable else ' '.join([python, *args])}", flush=True)
         start = time.perf_counter()
-        rc = subprocess.run([sys.executable, *args]).returncode # output goes straight to ours
+        rc = subprocess.run([python, *args]).returncode # output goes straight to ours
         done.append(dict(script=name, rc=rc, seconds=time.perf_counter()-start))
         print(f"== {name}: exit {rc}, {done[-1]['seconds']:.0f} s\n", flush=True)
     return done
@@ -121,6 +123,8 @@ def write_readme(out:Path, results:dict, runs:dict):
         else: lines += [f'## {name}', '', '```json', json.dumps(res, indent=1)[:6000], '```', '']
         png = out/f'{name}.png'
         if png.exists(): lines += [f'![{name}]({png.name})', '']
+    profile = out/'profile.md' # `bench/profile_accum.py --out results/profile.md`: where a micro-batch's host time goes
+    if profile.exists(): lines += [profile.read_text().rstrip(), '']
     (out/'README.md').write_text('\n'.join(lines).rstrip() + '\n')
 
 def write_docs_page(out:Path):
@@ -138,6 +142,7 @@ def main(argv=None):
     p.add_argument('--quick', action='store_true', help='the smoke-test sizes of every benchmark')
     p.add_argument('--out', type=Path, default=RESULTS)
     p.add_argument('--no-run', action='store_true', help='only rebuild README.md and the plots from the JSON files')
+    p.add_argument('--peers-python', default=None, help="the interpreter for peers.py (an environment with Lightning and fastxtend); default: this one")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     set_threads(1)
@@ -145,7 +150,7 @@ def main(argv=None):
     if a.no_run and (a.out/'runs.json').exists(): runs = json.loads((a.out/'runs.json').read_text())
     else:
         runs = dict(machine=machine(), date=time.strftime('%Y-%m-%d %H:%M'), quick=a.quick)
-        runs['done'] = [] if a.no_run else run_scripts(a.quick, a.out)
+        runs['done'] = [] if a.no_run else run_scripts(a.quick, a.out, a.peers_python)
         runs['load_end'] = [round(o, 2) for o in os.getloadavg()]
         if not a.no_run: (a.out/'runs.json').write_text(json.dumps(runs, indent=1) + '\n')
     results = load(a.out)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/sharded.ipynb #ade63f95
 from __future__ import annotations
-import contextlib, functools, importlib, itertools, os, sys
+import contextlib, functools, importlib, itertools, os, sys, weakref
 from datetime import timedelta
 import torch.distributed as dist
 from fastai.basics import *
@@ -440,19 +440,40 @@ def zero_grad(self:Optimizer):
         g.zero_()
 
 # %% ../nbs/sharded.ipynb #43759355
+def _clip(model:nn.Module, layout, max_norm:float, norm_type:float)->Tensor:
+    if layout is None: return nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    return layout.clip_grad_norm_(max_norm, norm_type)
+
 def clip_grad_norm(model:nn.Module, # The model, as the Learner holds it
                    max_norm:float, # Largest norm the gradients keep
                    norm_type:float=2., # Type of the norm
                   )->Tensor:
     "Clip `model`'s gradients by their norm over the whole model, every process's shard for a sharded one, and return that norm"
-    layout = layout_of(model)
-    if layout is None: return nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
-    return layout.clip_grad_norm_(max_norm, norm_type)
+    return _clip(model, layout_of(model), max_norm, norm_type)
+
+_clip_layouts = weakref.WeakKeyDictionary() # GradientClip -> (the model, its layout), found at the fit's first step
+
+def _fit_layout(cb:GradientClip, model:nn.Module):
+    "`layout_of(model)`, found once per fit: again only if the Learner's model is another object"
+    found = _clip_layouts.get(cb)
+    if found is None or found[0] is not model: _clip_layouts[cb] = found = (model, layout_of(model))
+    return found[1]
+
+@patch
+def before_fit(self:GradientClip):
+    "Forget the layout of the last fit's model (added: fastai's `GradientClip` has no `before_fit`)"
+    _clip_layouts.pop(self, None)
+
+@patch
+def after_fit(self:GradientClip):
+    "Hold no model after the fit (added: fastai's `GradientClip` has no `after_fit`)"
+    _clip_layouts.pop(self, None)
 
 @patch
 def before_step(self:GradientClip):
     "Clip the gradients by their norm over the whole model: for a sharded model, the norm over every process's shard"
-    clip_grad_norm(self.learn.model, self.max_norm, self.norm_type)
+    model = self.learn.model
+    _clip(model, _fit_layout(self, model), self.max_norm, self.norm_type)
 
 # %% ../nbs/sharded.ipynb #32aa9360
 _learner_save,_learner_load,_learner_create_opt = [fastai_method(Learner, n) for n in ('save', 'load', 'create_opt')]

@@ -1,0 +1,341 @@
+"""Profile: where the host time of one `GradientAccumulation(128)` micro-batch goes, part by part.
+
+The setup of `peers.py` (CPU, 1 thread, digits repeated to 3,200 samples, MLP 64-128-128-10, fastai's Adam, micro-batches of
+32 from fastai's loader with `num_workers=0`, 128 samples per step, training only, no progress bar). Three measures:
+
+1. **Sections** (`--sections`): the fastai and library functions each micro-batch calls are wrapped by a timer that keeps
+   each one's *exclusive* CPU time (its own, its callees' taken out), so that the parts add up to the fit. The timer's own
+   cost per wrapped call is measured and taken out of each part's figure (calibrated on an empty function).
+2. **cProfile** (`--cprofile`): the functions with the most own time, per micro-batch (cProfile inflates small calls).
+3. **Micro-timings**: what one event dispatch costs with the fit's callbacks and no handler, what sorting the callbacks
+   costs, what `Callback.__getattr__`'s fallthrough to the Learner and `Callback.__setattr__`'s shadowing check cost.
+4. **What-if**: prototypes of a cheaper event dispatch that calls the same callbacks with the same events, timed side by
+   side with the fit as it is (and checked to train and record identically).
+
+Prints the report; `--out results/profile.md` also writes it, and `run.py` then shows it on the benchmarks page."""
+from __future__ import annotations
+import argparse, cProfile, functools, io, pstats, sys, time
+from collections import defaultdict
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import *
+from peers import MICRO_BS, ACCUM_BS
+
+import torch
+from torch import nn
+
+def fastai_learner(cb=None):
+    "The `Learner` of `peers.py`'s fastai rows: digits repeated to 3,200, fastai's loader (`num_workers=0`), bs 32, no validation set"
+    from peers import Setup, fastai_learner as learner
+    return learner(Setup(), MICRO_BS, [] if cb is None else [cb])
+
+# (label, owner, attribute): the functions timed, each under the label of the part it belongs to
+def targets():
+    from fastai.learner import Learner, Recorder, AvgSmoothLoss, AvgLoss
+    from fastai.callback.core import Callback, TrainEvalCallback
+    from fastai.optimizer import Optimizer
+    from fastai.data.load import DataLoader
+    from fastcore.basics import GetAttr
+    from fastxtend_accum.callback.gradaccum import GradientAccumulation
+    import fastxtend_accum.callback.gradaccum as ga
+    t = [("fastai's loader (the next batch)", Learner, 'all_batches'),
+         ("fastai's loader (the next batch)", DataLoader, 'create_batch'),
+         ("fastai's loader (the next batch)", DataLoader, 'do_batch'),
+         ('batch to device, split', Learner, '_set_device'), ('batch to device, split', Learner, '_split'),
+         ('forward (model)', nn.Sequential, 'forward'),
+         ('loss function', nn.CrossEntropyLoss, 'forward'),
+         ("fastai's one_batch/_do_one_batch/_with_events bodies", Learner, 'one_batch'),
+         ("fastai's one_batch/_do_one_batch/_with_events bodies", Learner, '_do_one_batch'),
+         ("fastai's one_batch/_do_one_batch/_with_events bodies", Learner, '_with_events'),
+         ('backward (autograd)', Learner, '_backward'),
+         ('optimizer step (per window)', Optimizer, 'step'),
+         ('zero_grad (per window)', Optimizer, 'zero_grad'),
+         ("event dispatch: Learner.__call__/_call_one (sorting the callbacks)", Learner, '__call__'),
+         ("event dispatch: Learner.__call__/_call_one (sorting the callbacks)", Learner, '_call_one'),
+         ("event dispatch: Callback.__call__ (getcallable, run checks)", Callback, '__call__'),
+         ("Callback.__getattr__ fallthrough to the Learner", GetAttr, '__getattr__'),
+         ("Callback.__setattr__ shadowing check", Callback, '__setattr__'),
+         ('TrainEvalCallback (fastai)', TrainEvalCallback, 'before_batch'),
+         ('TrainEvalCallback (fastai)', TrainEvalCallback, 'after_batch'),
+         ('Recorder.after_batch (as patched by the library) + AvgSmoothLoss/AvgLoss', Recorder, 'after_batch'),
+         ('Recorder.after_batch (as patched by the library) + AvgSmoothLoss/AvgLoss', AvgSmoothLoss, 'accumulate'),
+         ('Recorder.after_batch (as patched by the library) + AvgSmoothLoss/AvgLoss', AvgLoss, 'accumulate'),
+         ('Recorder.before_batch/after_* other', Recorder, 'before_train'),
+         ("library: Learner._do_grad_opt patch + accum_callback", Learner, '_do_grad_opt'),
+         ("library: Learner._do_grad_opt patch + accum_callback", ga, 'accum_callback'),
+         ('library: GradientAccumulation.before_batch', GradientAccumulation, 'before_batch'),
+         ('library: GradientAccumulation.before_backward', GradientAccumulation, 'before_backward'),
+         ('library: GradientAccumulation.grad_opt/_backward (bookkeeping)', GradientAccumulation, 'grad_opt'),
+         ('library: GradientAccumulation.grad_opt/_backward (bookkeeping)', GradientAccumulation, '_backward'),
+         ('library: GradientAccumulation._step_window (per window)', GradientAccumulation, '_step_window'),
+         ('library: GradientAccumulation._step_window (per window)', GradientAccumulation, '_step'),
+         ('library: GradientAccumulation.after_batch', GradientAccumulation, 'after_batch'),
+        ]
+    try:
+        from fastai.callback.schedule import ParamScheduler
+        t += [('ParamScheduler (as patched)', ParamScheduler, 'before_batch'), ('ParamScheduler (as patched)', ParamScheduler, 'after_batch')]
+    except ImportError: pass
+    return t
+
+class SectionTimer:
+    "Wrap functions so that each label keeps the exclusive thread CPU time of its functions, and count their calls"
+    def __init__(self, clock=time.thread_time_ns):
+        self.clock,self.excl,self.calls,self.stack,self.saved = clock,defaultdict(int),defaultdict(int),[],[]
+    def wrap(self, label, f):
+        clock,stack,excl,calls = self.clock,self.stack,self.excl,self.calls
+        @functools.wraps(f)
+        def timed(*args, **kwargs):
+            stack.append(0) # time spent in timed callees
+            t0 = clock()
+            try: return f(*args, **kwargs)
+            finally:
+                dt = clock()-t0
+                child = stack.pop()
+                excl[label] += dt-child; calls[label] += 1
+                if stack: stack[-1] += dt
+        return timed
+    def install(self, targets):
+        for label,owner,name in targets:
+            if name not in vars(owner): continue # inherited: timed where it is defined
+            f = vars(owner)[name]
+            self.saved.append((owner, name, f))
+            setattr(owner, name, self.wrap(label, f))
+        return self
+    def remove(self):
+        for owner,name,f in reversed(self.saved): setattr(owner, name, f)
+        self.saved = []
+    def overhead_ns(self, n=20000)->float:
+        "The timer's own cost per wrapped call (an empty function inside a timed one), in ns"
+        t = SectionTimer(self.clock)
+        inner = t.wrap('inner', lambda: None)
+        outer = t.wrap('outer', lambda: [inner() for _ in range(n)])
+        bare = lambda: [(lambda: None)() for _ in range(n)]
+        c0 = self.clock(); bare(); c1 = self.clock()
+        outer()
+        return (t.excl['outer'] + t.excl['inner'] - (c1-c0))/n
+
+def sections(cb_factory, n_epoch, reps):
+    "Exclusive CPU time per micro-batch of each part of a fit, the timer's own cost taken out"
+    learn = fastai_learner(cb_factory())
+    learn.fit(1) # warm-up
+    n_mb = n_epoch*len(learn.dls.train)
+    runs = []
+    for _ in range(reps):
+        # the fit untimed by parts, then timed by parts
+        c0 = time.thread_time_ns(); learn.fit(n_epoch); total = time.thread_time_ns()-c0
+        st = SectionTimer().install(targets())
+        try:
+            c0 = time.thread_time_ns(); learn.fit(n_epoch); timed_total = time.thread_time_ns()-c0
+        finally: st.remove()
+        runs.append((total, timed_total, dict(st.excl), dict(st.calls)))
+    # the median run by untimed total
+    runs.sort(key=lambda r: r[0])
+    total,timed_total,excl,calls = runs[len(runs)//2]
+    # the timer's cost per wrapped call, as it was in this fit: what timing made the fit cost more, over the wrapped calls
+    # (an empty function's, `overhead_ns`, is shown beside it: wrapped calls that raise, as __getattr__'s do, cost more)
+    n_calls = sum(calls.values())
+    ov = (timed_total-total)/n_calls
+    parts = {k: dict(us=(excl[k] - ov*calls[k])/n_mb/1e3, calls=calls[k]/n_mb) for k in excl}
+    accounted = sum(excl.values())
+    parts['rest of the fit (untimed functions: epoch/fit events, etc.)'] = dict(us=(timed_total - accounted)/n_mb/1e3, calls=0)
+    return dict(total_us=total/n_mb/1e3, timed_total_us=timed_total/n_mb/1e3, timer_ns_per_call=ov, timer_empty_ns=SectionTimer().overhead_ns(),
+                timer_us=ov*sum(calls.values())/n_mb/1e3, parts=parts, n_micro_batches=n_mb)
+
+def cprofile_top(cb_factory, n_epoch, top=30)->str:
+    learn = fastai_learner(cb_factory())
+    learn.fit(1)
+    n_mb = n_epoch*len(learn.dls.train)
+    pr = cProfile.Profile()
+    pr.enable(); learn.fit(n_epoch); pr.disable()
+    st = pstats.Stats(pr)
+    rows = []
+    for (file,line,fn),(cc,nc,tt,ct,_) in st.stats.items():
+        where = f"{Path(file).parent.name}/{Path(file).name}:{line}" if file != '~' else ''
+        rows.append((tt, ct, nc, f"{fn} {where}"))
+    rows.sort(reverse=True)
+    lines = [f"{'own us/mb':>9} {'cum us/mb':>9} {'calls/mb':>8}  function"]
+    for tt,ct,nc,name in rows[:top]: lines.append(f"{tt/n_mb*1e6:9.1f} {ct/n_mb*1e6:9.1f} {nc/n_mb:8.2f}  {name}")
+    return '\n'.join(lines)
+
+def per_call_us(f, n=20000)->float:
+    f()
+    c0 = time.thread_time_ns()
+    for _ in range(n): f()
+    return (time.thread_time_ns()-c0)/n/1e3
+
+def micro_timings(cb_factory)->list[tuple[str,float,str]]:
+    "What single pieces of fastai's machinery cost here, in us per call"
+    from fastai.callback.core import Callback
+    learn = fastai_learner(cb_factory())
+    learn.fit(1)
+    learn.training = True
+    cbs = learn.cbs
+    res = []
+    res.append((f"learn('after_pred'): one event no callback of the fit handles, {len(cbs)} callbacks ({', '.join(type(c).__name__ for c in cbs)})",
+                per_call_us(lambda: learn('after_pred')), 'per event'))
+    res.append(("learn.cbs.sorted('order') (done at every event)", per_call_us(lambda: learn.cbs.sorted('order')), 'per event'))
+    cb = cbs[0]
+    res.append((f"Callback.__call__('after_pred') on {type(cb).__name__}, which has no such method (getcallable falls through to the Learner)",
+                per_call_us(lambda: cb('after_pred')), 'per callback per event'))
+    res.append(("getattr(cb, 'training', True): Callback.__getattr__ falling through to the Learner", per_call_us(lambda: getattr(cb, 'training', True)),
+                'per callback per inner-loop event'))
+    res.append(("getattr(cb, 'after_pred', None): a missing event method (AttributeError through GetAttr)", per_call_us(lambda: getattr(cb, 'after_pred', None)),
+                'per callback per event it lacks'))
+    ga = learn.cbs.filter(lambda c: getattr(type(c), 'splits_batches', False))
+    res.append(("learn.iter (a plain attribute of the Learner)", per_call_us(lambda: learn.iter), ''))
+    tec = learn.cbs[0]
+    res.append((f"{type(tec).__name__}.__setattr__ of a name the Learner lacks (fastai's shadowing check: hasattr(learn, name))",
+                per_call_us(lambda: setattr(tec, 'zz_probe', 1)), 'per set'))
+    res.append((f"{type(tec).__name__}.iter read (fallthrough)", per_call_us(lambda: tec.iter), 'per read'))
+    if ga:
+        g = ga[0]
+        b = learn.dls.train.one_batch(); xb,yb = b[:1],b[1:]
+        res.append((f"{type(g).__name__}.window_open = False (the library's fast __setattr__)", per_call_us(lambda: setattr(g, 'window_open', g.window_open)), 'per set'))
+        res.append((f"{type(g).__name__}.counter(xb, yb) ('{g.normalize_by}': {g.counter!r})", per_call_us(lambda: g.counter(xb, yb)), 'per micro-batch'))
+    return res
+
+
+# What-if: fastai's event dispatch made cheaper without changing what any callback sees. A prototype measured here only (the
+# library does not ship it): the same callbacks called in the same order with the same events and the same run checks.
+_M = object()
+def fast_dispatch():
+    "Context manager: `Learner.__call__`/`_call_one` and `Callback.__call__` replaced by equivalents that skip fastai's overheads"
+    import contextlib
+    from fastai.learner import Learner
+    from fastai.callback.core import Callback, _inner_loop, event
+    from fastcore.basics import GetAttr, noop
+    inner = frozenset(_inner_loop)
+    cb_call,l_call,l_call_one = Callback.__call__,Learner.__call__,Learner._call_one
+    plain = {}
+    def is_plain(cls):
+        "GetAttr's fallthrough to `learn`, unchanged: then `_get` below is exactly `getattr`"
+        r = plain.get(cls)
+        if r is None:
+            r = plain[cls] = (cls.__getattr__ is GetAttr.__getattr__ and cls.__getattribute__ is object.__getattribute__
+                and cls._component_attr_filter is GetAttr._component_attr_filter and cls._default == 'learn'
+                and getattr(cls, '_xtra', None) is None)
+        return r
+    oga = object.__getattribute__
+    def _get(self, name, default):
+        "getattr(self, name, default) for a plain GetAttr: the normal lookup, then the Learner's attribute"
+        try: return oga(self, name)
+        except AttributeError: pass
+        if '_xtra' in self.__dict__: return getattr(self, name, default) # an instance's own filter: fastai's way
+        if name.startswith('__') or name == 'learn': return default
+        learn = self.learn
+        return default if learn is None else getattr(learn, name, default)
+    def fast_cb_call(self, event_name):
+        if not is_plain(type(self)): return cb_call(self, event_name)
+        _run = (event_name not in inner or (self.run_train and _get(self, 'training', True)) or
+                (self.run_valid and not _get(self, 'training', False)))
+        res = None
+        if self.run and _run:
+            f = _get(self, event_name, noop)
+            try: res = f()
+            except Exception as e:
+                if type(e).__name__.startswith('Cancel'): raise
+                from fastcore.basics import modify_exception
+                raise modify_exception(e, f'Exception occured in `{self.__class__.__name__}` when calling event `{event_name}`:\n\t{e.args[0]}', replace=True)
+        if event_name == 'after_fit': self.run = True
+        return res
+    order = lambda o: getattr(o, 'order', 0)
+    def fast_call_one(self, event_name):
+        if not hasattr(event, event_name): raise Exception(f'missing {event_name}')
+        for cb in sorted(self.cbs, key=order): cb(event_name)
+    def fast_call(self, event_name):
+        if isinstance(event_name, str): return self._call_one(event_name)
+        return l_call(self, event_name)
+    @contextlib.contextmanager
+    def ctx():
+        Callback.__call__,Learner.__call__,Learner._call_one = fast_cb_call,fast_call,fast_call_one
+        try: yield
+        finally: Callback.__call__,Learner.__call__,Learner._call_one = cb_call,l_call,l_call_one
+    return ctx()
+
+def shortcut(cb):
+    """The same callback, of a subclass that spares fastai's dispatch its slow paths on *this* callback only: `_xtra = None`
+    (GetAttr's filter then skips its recursive, raising `getattr(self, '_xtra')`), `training` read from the Learner directly,
+    and a no-op method for each event the callback lacks (found by `getcallable` without a fallthrough). What fastai's
+    dispatch returns and calls is unchanged: a missing event is `noop` either way."""
+    from fastai.callback.core import _events
+    cls = type(cb)
+    ns = dict(_xtra=None, training=property(lambda self: self.learn.training))
+    for e in _events:
+        if not hasattr(cls, e): ns[e] = lambda self: None
+    cb.__class__ = type(cls.__name__, (cls,), ns)
+    return cb
+
+def what_if(cb_factory, n_epoch, reps):
+    "The fit as it is, with `fast_dispatch`, and with `shortcut` on the library's callback, interleaved: time per micro-batch, identical runs"
+    from contextlib import nullcontext
+    runs = {}
+    for name in ('as it is', 'fast dispatch', 'shortcuts on the library callback only'):
+        learn = fastai_learner(cb_factory() if name != 'shortcuts on the library callback only' else shortcut(cb_factory()))
+        init = {k: v.clone() for k,v in learn.model.state_dict().items()}
+        learn.dls.train.rng.seed(0)
+        with fast_dispatch() if name == 'fast dispatch' else nullcontext(): learn.fit(1)
+        runs[name] = (learn, init)
+    n_mb = n_epoch*len(runs['as it is'][0].dls.train)
+    times = {k: [] for k in runs}
+    for _ in range(reps):
+        for name,(learn,init) in runs.items():
+            learn.model.load_state_dict(init)
+            learn.dls.train.rng.seed(0)
+            with fast_dispatch() if name == 'fast dispatch' else nullcontext():
+                c0 = time.process_time_ns(); learn.fit(n_epoch); times[name].append((time.process_time_ns()-c0)/n_mb/1e3)
+    a,*others = (runs[k][0] for k in runs)
+    same_params = all(torch.equal(p, q) for b in others for p,q in zip(a.model.parameters(), b.model.parameters()))
+    same_records = all(a.recorder.losses == b.recorder.losses and a.recorder.lrs == b.recorder.lrs
+                       and a.recorder.values == b.recorder.values and a.recorder.iters == b.recorder.iters for b in others)
+    base = times['as it is']
+    return dict(us={k: spread(v) for k,v in times.items()}, ratio={k: spread(y/x for x,y in zip(base, v)) for k,v in times.items()},
+                same_params=same_params, same_records=same_records)
+
+def report(cfg, secs:dict, top:str, micro:list, wi:dict|None=None)->str:
+    lines = ['## Profile: one `GradientAccumulation(128)` micro-batch', '',
+             f"{cfg}", '',
+             f"Untimed fit: **{secs['total_us']:.0f} us per micro-batch** (CPU time of the thread, which leaves out the time other jobs hold the core; median of the repetitions). Timed by parts: "
+             f"{secs['timed_total_us']:.0f} us, of which the timer itself {secs['timer_us']:.0f} us "
+             f"({secs['timer_ns_per_call']:.0f} ns per wrapped call in this fit, {secs['timer_empty_ns']:.0f} ns around an empty function; "
+             f"the former is taken out of each part below, so the parts add up to the untimed fit).", '',
+             '| part | us / micro-batch | calls / micro-batch |', '|---|---:|---:|']
+    parts = sorted(secs['parts'].items(), key=lambda kv: -kv[1]['us'])
+    for k,v in parts: lines.append(f"| {k} | {v['us']:.1f} | {v['calls']:.2f} |")
+    lines.append(f"| **sum of parts** | {sum(v['us'] for v in secs['parts'].values()):.1f} | |")
+    lines += ['', '### Micro-timings', '', '| what | us | when |', '|---|---:|---|']
+    for what,us,when in micro: lines.append(f"| {what} | {us:.2f} | {when} |")
+    if wi:
+        u,r = wi['us'],wi['ratio']
+        lines += ['', '### What-if: cheaper event dispatch, same calls (prototypes in this script, not in the library)', '',
+                  "'fast dispatch' replaces fastai's `Learner.__call__` (no `L` built for one event name), `Learner._call_one` "
+                  "(`sorted(key=order)` instead of `L.sorted`) and `Callback.__call__` (GetAttr's fallthrough done inline: same "
+                  "lookups, same order, same run checks) for every callback. 'shortcuts on the library callback only' leaves fastai "
+                  "alone and gives the library's callback `_xtra = None`, a `training` property and no-op methods for the events it "
+                  "lacks. Interleaved repetitions, CPU time per micro-batch in us, median [min, max], and the ratio to 'as it is':", '']
+        for k in u: lines.append(f"- {k}: {u[k]['median']:.0f} [{u[k]['min']:.0f}, {u[k]['max']:.0f}]; ratio {r[k]['median']:.3f} [{r[k]['min']:.3f}, {r[k]['max']:.3f}]")
+        lines.append(f"- identical parameters (bitwise) in all three: {wi['same_params']}; identical Recorder losses, lrs, values and iters: {wi['same_records']}")
+    lines += ['', '### cProfile: functions by own time (us per micro-batch; cProfile inflates small calls)', '', '```', top, '```']
+    return '\n'.join(lines)
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--epochs', type=int, default=3)
+    p.add_argument('--reps', type=int, default=3)
+    p.add_argument('--normalize_by', default='auto')
+    p.add_argument('--log_accum_batch', type=int, default=1)
+    p.add_argument('--out', type=Path, default=None, help='write the report here (markdown)')
+    a = p.parse_args(argv)
+    set_threads(1)
+    from fastxtend_accum.callback.gradaccum import GradientAccumulation
+    make = lambda: GradientAccumulation(ACCUM_BS, normalize_by=a.normalize_by, log_accum_batch=bool(a.log_accum_batch))
+    cfg = (f"`GradientAccumulation(128, normalize_by='{a.normalize_by}', log_accum_batch={bool(a.log_accum_batch)})`, "
+           f"`fit({a.epochs})`, median of {a.reps} repetitions; {describe(machine())}")
+    secs = sections(make, a.epochs, a.reps)
+    micro = micro_timings(make)
+    top = cprofile_top(make, a.epochs)
+    wi = what_if(make, a.epochs, max(a.reps, 3))
+    text = report(cfg, secs, top, micro, wi)
+    print(text)
+    if a.out: a.out.write_text(text + '\n'); print(f"wrote {a.out}")
+
+if __name__ == '__main__': main()
