@@ -61,7 +61,7 @@ def worker(a):
             dist.barrier()
             t = time.perf_counter() - t
         return t,dict(collectives=measure.collectives, peak=measure.peak, n_steps=len(measure.steps), n_backward=measure.n_backward,
-                      sync=repr(ga.sync)),full_params(learn.model)
+                      sync=repr(getattr(ga, "windows", ga).sync)),full_params(learn.model)
     times,stats,params = {v: [] for v in VARIANTS},{},{}
     for rep in range(a.reps + 1): # the first round warms up
         for v in (VARIANTS if rep % 2 else VARIANTS[::-1]):

@@ -9,12 +9,13 @@ from fastai.basics import *
 from .distributed import split_loader
 try: from fastai.distributed import DistributedDL
 except ImportError: DistributedDL = None # fastai.distributed needs accelerate: without it there is no `distrib_ctx` either
+from .messages import warn
 
 # %% auto #0
 __all__ = ['dealt_order', 'WindowDealtDL', 'deal_windows']
 
 # %% ../nbs/dealing.ipynb #a1423cf9
-def dealt_order(order:list, # The epoch's sample order over all processes (one process's order)
+def dealt_order(order:list, # The sample order of the epoch over all processes (as one process has it)
                 shares:list[int], # Samples each process takes of each window (or dropped tail)
                 rank:int, # This process
                 world_size:int, # Processes
@@ -67,7 +68,7 @@ class WindowDealtDL(DistributedDL if DistributedDL is not None else object):
                                f"this loader's {len(self.sizes)} micro-batches: pass deal_windows=False")
         if self.left_out and not self._warned:
             self._warned = True
-            warnings.warn(f"The epoch's {len(order)} samples do not split evenly over {self.world_size} processes after its last "
+            warn(f"The epoch's {len(order)} samples do not split evenly over {self.world_size} processes after its last "
                           f"whole window: its last {self.left_out} samples are left out of training each epoch (drop_last=True, or "
                           "a number of samples that the processes share evenly, keeps every step the one-process run's)")
         return dealt_order(order, [sum(plan.sizes[s:e]) for s,e in _segments(plan)], self.rank, self.world_size)

@@ -12,7 +12,7 @@ __all__ = ['FAILED_KEY', 'GRACE_S', 'PeerProcessFailed', 'describe', 'failed_key
 
 # %% ../nbs/failfast.ipynb #148db410
 FAILED_KEY = 'fastxtend_accum/failed/' # + '<rank>/<n>': "ExcType: message" of the n-th fit that raised on process <rank>
-GRACE_S = 3. # seconds a failing process waits for every other one to fail too (an error all of them raise) before it stops them
+GRACE_S = 10. # seconds a failing process waits for every other one to fail too (an error all of them raise) before it stops them
 _kept,_n_failed = [],0 # destroyed groups' stores (rank 0 serves it outside torchrun); fits that raised in this group
 
 class PeerProcessFailed(RuntimeError):
@@ -64,6 +64,7 @@ def stop_peers(exc:BaseException, # The error the fit raised on this process
     "In a process group of several processes: tell the others why this fit failed, and stop their collectives; the error to raise instead, if a peer failed first"
     global _n_failed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1: return None
+    if getattr(exc, 'everywhere', False): return None # raised on every process by construction: none waits for another
     world,rank,n = dist.get_world_size(),dist.get_rank(),_n_failed
     _n_failed += 1
     try: store = dist.distributed_c10d._get_default_store()

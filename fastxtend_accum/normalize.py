@@ -6,6 +6,7 @@
 from __future__ import annotations
 import functools, math, numbers, warnings
 from fastai.basics import *
+from .messages import warn
 
 # %% auto #0
 __all__ = ['SampleCount', 'TokenCount', 'WeightedTargetCount', 'LossSum', 'item_counter', 'check_count', 'check_counts',
@@ -189,7 +190,7 @@ class AutoNormalize:
     def _warn(self, key, msg):
         if key in self.warned: return
         self.warned.add(key)
-        if rank_distrib() == 0: warnings.warn(msg, stacklevel=4)
+        if rank_distrib() == 0: warn(msg, key) # at the user's line; `key` is its troubleshooting anchor
     def __repr__(self): return f'AutoNormalize({self.owner!r})'
 
 def auto_normalize(normalize_by, # The callback's normalize_by

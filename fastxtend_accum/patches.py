@@ -125,10 +125,9 @@ def before_fit(self:FastaiGradientAccumulation):
     global _fastai_ga_warned
     if not _fastai_ga_warned:
         _fastai_ga_warned = True
-        warnings.warn("fastai's own GradientAccumulation (fastai.callback.training) runs in this fit, not fastxtend_accum's "
-                      "exact one. If you meant this library's, a later `from fastai... import *` replaced the name: "
-                      "import `fastxtend_accum.all` after fastai (or use `fastxtend_accum.tabular.all`, `.text.all`, "
-                      "`.callback.all`)", stacklevel=2)
+        warn("fastai's own GradientAccumulation (fastai.callback.training) runs in this fit, not fastxtend_accum's exact one. If "
+             "you meant this library's, a later `from fastai... import *` replaced the name: import `fastxtend_accum.all` after "
+             "fastai (or use `fastxtend_accum.tabular.all`, `.text.all`, `.callback.all`)", 'fastai-gradientaccumulation')
     fastai_method(FastaiGradientAccumulation, 'before_fit')(self)
 
 # %% ../nbs/patches.ipynb #d2fb7d25

@@ -14,8 +14,7 @@ from .distributed import split_loader, samples_per_process
 
 # %% auto #0
 __all__ = ['check_positive_int', 'check_bool', 'check_weighable', 'sampler_sizes', 'micro_batch_sizes', 'loader_drop_last',
-           'accumulation_callbacks', 'check_one_accumulation', 'check_one_learner', 'BatchSplitter', 'trains_batchnorm',
-           'warn_once']
+           'accumulation_callbacks', 'check_one_accumulation', 'check_one_learner', 'BatchSplitter', 'trains_batchnorm']
 
 # %% ../nbs/plan.ipynb #682a56a8
 def check_positive_int(name:str, value)->int:
@@ -136,13 +135,3 @@ class BatchSplitter(Callback):
 def trains_batchnorm(model:nn.Module)->bool:
     "Whether `model` has BatchNorm layers in training mode: their statistics come from each micro-batch"
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
-
-def warn_once(warned:set, # Keys already said
-              key:str, # What the message is about
-              msg:str, # The message
-              stacklevel:int=3, # warnings.warn's, from the caller
-             ):
-    "Warn `msg` unless `key` was said"
-    if key in warned: return
-    warned.add(key)
-    warnings.warn(msg, stacklevel=stacklevel+1)

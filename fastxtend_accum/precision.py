@@ -7,6 +7,8 @@ from __future__ import annotations
 import warnings
 import torch, torch.distributed as dist
 from torch import nn, Tensor
+from .window import raised_everywhere
+from .messages import warn
 
 # %% auto #0
 __all__ = ['CHUNK', 'SUMMED_IN_16_BITS', 'MANY_MICRO_BATCHES', 'check_accum_dtype', 'summed_in', 'widen_add_', 'all_reduce_mean',
@@ -113,13 +115,13 @@ class FloatGrads:
     def check(self, sync):
         "Raise, before the first micro-batch, where the engine of `sync` (see `distributed`) cannot sum in `accum_dtype`"
         if not self.active: return
-        if sync.sharded: raise ValueError(f"{self.who}(accum_dtype={self.accum_dtype}) cannot sum a sharded model's gradients: "
+        if sync.sharded: raise raised_everywhere(ValueError(f"{self.who}(accum_dtype={self.accum_dtype}) cannot sum a sharded model's gradients: "
             f"FSDP accumulates its sharded gradients itself. Hold the model in float32 and shard it with FSDP2's "
             "`fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`, "
-            f"which computes in bfloat16 and sums in float32, or pass `accum_dtype=None`")
-        if sync.world_size > 1 and sync.grad_sync == 'micro_batch': raise ValueError(f"{self.who}(accum_dtype={self.accum_dtype}, "
+            f"which computes in bfloat16 and sums in float32, or pass `accum_dtype=None`"))
+        if sync.world_size > 1 and sync.grad_sync == 'micro_batch': raise raised_everywhere(ValueError(f"{self.who}(accum_dtype={self.accum_dtype}, "
             "grad_sync='micro_batch'): every backward would all-reduce 16-bit gradients, where accum_dtype all-reduces each window's "
-            "sum once, in float32: pass grad_sync='auto', or accum_dtype=None")
+            "sum once, in float32: pass grad_sync='auto', or accum_dtype=None"))
 
     def reduces(self, sync)->bool:
         "Whether this object averages the window's gradients over the processes of `sync` (then every backward runs without communication)"
@@ -155,8 +157,8 @@ class FloatGrads:
         if self.accum_dtype is not None or self.warned or self.n_micro < MANY_MICRO_BATCHES: return
         self.warned = True
         dt = next(str(p.dtype).removeprefix('torch.') for p in self.model.parameters() if p.is_floating_point() and p.element_size() < 4)
-        warnings.warn(f"{self.who}(accum_dtype=None) summed a window of {self.n_micro} micro-batch gradients in {dt}, and each addition "
+        warn(f"{self.who}(accum_dtype=None) summed a window of {self.n_micro} micro-batch gradients in {dt}, and each addition "
                       f"rounds: {SUMMED_IN_16_BITS} Pass `accum_dtype=torch.float32` to sum windows in float32 (4 bytes per parameter "
-                      "during the window)", stacklevel=4)
+                      "during the window)")
 
     def __repr__(self): return f'{type(self).__name__}(accum_dtype={self.accum_dtype}, params={len(self.params)})'

@@ -12,7 +12,8 @@ LAUNCH_TIMEOUT = 150
 STOP_WITHIN = 20 # seconds from the failure to each other process's error (measured 5-8 s on a loaded 2-core machine: GRACE_S, 3 s, then the failing process exits)
 
 def launch(tmp_path, case, fail_rank, n):
-    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--master_addr=127.0.0.1',
+    # torchrun ends the other workers when one exits: checked every 15 s here, so a peer raises and records its error first
+    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--monitor-interval=15', '--master_addr=127.0.0.1',
            f'--master_port={free_port()}', WORKER, str(tmp_path), case, str(fail_rank)]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT=str(PG_TIMEOUT)),

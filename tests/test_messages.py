@@ -96,3 +96,34 @@ def test_indivisible_still_says_divide():
     msgs = ours(ws, 'do not divide')
     assert len(msgs) == 1 and f'{DOCS_URL}#size' in str(msgs[0].message)
     assert_at(msgs[0], line)
+
+def test_mid_window_and_fastai_ga_warnings_name_the_users_line():
+    "A window an epoch ends in (a loader whose `len` says one micro-batch more than it yields) and fastai's own callback"
+    from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
+    import fastxtend_accum.patches as patches
+    class OverLong(torch.utils.data.BatchSampler):
+        def __len__(self): return super().__len__() + 1
+    learn = digits_learner(16, n_train=200, cbs=GradientAccumulation(64, normalize_by='samples'))
+    x,y = digits_data()
+    learn.dls.train = torch.utils.data.DataLoader(list(zip(x[:200], y[:200])), batch_sampler=OverLong(torch.utils.data.SequentialSampler(range(200)), 16, False))
+    ws,line = fit_warnings(learn)
+    mid = ours(ws, 'training stopped mid-window')
+    assert len(mid) == 1 and f'{DOCS_URL}#mid-window' in str(mid[0].message), [str(o.message) for o in ws]
+    assert_at(mid[0], line)
+    patches._fastai_ga_warned = False # once per process: start over
+    ws,line = fit_warnings(digits_learner(16, n_train=200, cbs=FastaiGradientAccumulation(64)))
+    theirs = ours(ws, "fastai's own GradientAccumulation")
+    assert len(theirs) == 1 and f'{DOCS_URL}#fastai-gradientaccumulation' in str(theirs[0].message)
+    assert_at(theirs[0], line)
+
+def test_auto_ignored_targets_warning_names_the_users_line():
+    "normalize_by='auto' with a loss it cannot read, on targets that hold -100"
+    def masked(bs):
+        x,y = digits_data()
+        y = y.clone(); y[::7] = -100
+        dls = DataLoaders.from_dsets(list(zip(x[:320], y[:320])), list(zip(x[-64:], y[-64:])), bs=bs, device='cpu', num_workers=0)
+        return Learner(dls, digits_mlp(), loss_func=lambda p,t: F.cross_entropy(p, t), cbs=[Float64SmoothLoss(), GradientAccumulation(64)])
+    ws,line = fit_warnings(masked(16))
+    ign = ours(ws, 'the targets hold -100')
+    assert len(ign) == 1 and f'{DOCS_URL}#ignored' in str(ign[0].message), [str(o.message) for o in ws]
+    assert_at(ign[0], line)

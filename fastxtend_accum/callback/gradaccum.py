@@ -224,7 +224,7 @@ class GradientAccumulation(BatchSplitter):
         r = self.windows
         off = r.plan is not None and n != r.plan.sizes[self.iter]
         tot,n_off = r.sync.sum(n, off).tolist()
-        if n_off: raise RuntimeError(f"{int(n_off)} of the {r.sync.world_size} processes' training loaders yielded a micro-batch "
+        if n_off: raise ProcessesDisagree(f"{int(n_off)} of the {r.sync.world_size} processes' training loaders yielded a micro-batch "
             f"their plan did not expect (process {r.sync.rank}: {n} samples, planned {r.plan.sizes[self.iter]}), so their windows "
             "would differ: their batch samplers do not give the sizes a copy of them gave")
         r.n_global += int(tot)
@@ -316,9 +316,9 @@ class GradientAccumulation(BatchSplitter):
         if r.sync.model is not self.model:
             r.sync,n = window_sync(self.model, self.grad_sync),r.world_size
             if self.global_bs and r.sync.world_size != n: # sizes were planned for `n` processes since `before_fit`
-                raise ValueError(f"`global_bs=True` shares accum_bs={self.accum_bs} over the {n} processes of torch.distributed's "
+                raise raised_everywhere(ValueError(f"`global_bs=True` shares accum_bs={self.accum_bs} over the {n} processes of torch.distributed's "
                     f"default process group, but the model ({type(self.model).__name__}) trains on {r.sync.world_size}: wrap it "
-                    "for distributed training over every process (fastai's `distrib_ctx`), or pass `global_bs=False`")
+                    "for distributed training over every process (fastai's `distrib_ctx`), or pass `global_bs=False`"))
             r.world_size = n = r.sync.world_size
             if n > 1 and r.sync.rank == 0:
                 if self.global_bs: print(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per optimizer step (global_bs=True) = "
@@ -342,8 +342,8 @@ class GradientAccumulation(BatchSplitter):
     def _drop_open_window(self, epoch:int):
         "Drop a window `epoch` ended in (a loader whose `len` over-reports, an epoch cut short), and say so"
         r = self.windows
-        if r.open and r.window.samples: warnings.warn(f"Epoch {epoch}: training stopped mid-window, after "
-            f"{r.window.samples} samples: that window's gradients were dropped (no optimizer step)", stacklevel=2)
+        if r.open and r.window.samples: warn(f"Epoch {epoch}: training stopped mid-window, after {r.window.samples} samples: "
+                                             "that window's gradients were dropped (no optimizer step)", 'mid-window')
         self._abandon_window()
 
     def _abandon_window(self):

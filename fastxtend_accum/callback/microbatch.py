@@ -166,8 +166,8 @@ class MicroBatching(BatchSplitter):
         self._mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
         if self.sync.model is not self.learn.model: self.sync = window_sync(self.learn.model, self.grad_sync)
         if self.sync.sharded and not isinstance(self.micro_bs, int): # an OOM mid-forward would leave the others in an all-gather
-            raise ValueError(f"MicroBatching(micro_bs={self.micro_bs!r}) cannot search for a size on a sharded model "
-                             f"({type(self.learn.model).__name__}): pass the micro-batch size, e.g. `micro_bs=8`")
+            raise raised_everywhere(ValueError(f"MicroBatching(micro_bs={self.micro_bs!r}) cannot search for a size on a "
+                                               f"sharded model ({type(self.learn.model).__name__}): pass the micro-batch size, e.g. `micro_bs=8`"))
         if self.sync.world_size > 1: # a process with more batches than the others would step alone, and wait forever
             try: n = len(self.dl)
             except TypeError: n = None # a loader that cannot tell: its batches are counted as they come
