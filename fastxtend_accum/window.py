@@ -177,12 +177,13 @@ def window_totals(w:Window, # The closing window
     v = torch.zeros(3+world_size, dtype=torch.float64, device=device)
     v[0],v[1],v[2],v[3+rank] = w.items,w.samples,w.loss_sum,key
     reduce(v)
-    keys = v[3:].tolist()
+    host = v[1:].tolist() # the one host sync of the step: the samples and the windows' positions
+    held,keys = int(host[0]),host[2:]
     if len(set(keys)) > 1:
         where = ', '.join(f'process {r} at epoch {int(k-1)//2**24} window {int(k-1)%2**24}' for r,k in enumerate(keys))
         raise ProcessesDisagree(f"The processes closed different windows ({where}): their training loaders yielded different "
                            "micro-batches, so their steps would differ")
-    return v[0],int(v[1].item()),v[2] # samples: the one host sync of the step
+    return v[0],held,v[2]
 
 # %% ../nbs/window.ipynb #27b3c9b9
 def window_ref(target:int, # Samples expected in the window

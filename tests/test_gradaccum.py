@@ -192,8 +192,9 @@ def test_every_dropped_window_is_reported(how):
             with learn.no_logging(), learn.no_bar(): learn.fit(3, cbs=ShortEpochCallback(0.4, short_valid=False))
             held = 48
     msgs = [str(o.message) for o in w if 'mid-window' in str(o.message)]
-    test_eq(msgs, [f"Epoch {e}: training stopped mid-window, after {held} samples: that window's gradients were dropped (no optimizer step)"
-                   for e in range(3)])
+    from fastxtend_accum.messages import doc_link
+    test_eq(msgs, [f"Epoch {e}: training stopped mid-window, after {held} samples: that window's gradients were dropped (no optimizer step) "
+                   f"(see {doc_link('mid-window')})" for e in range(3)])
     assert no_grads(learn)
 
 def test_log_accum_batch_false():

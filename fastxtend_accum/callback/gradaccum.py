@@ -269,7 +269,8 @@ class GradientAccumulation(BatchSplitter):
         learn,r = self.learn,self.windows
         w,sync = r.window,r.sync
         if sync.world_size == 1 and not w.samples: return self._abandon_window() # every micro-batch was cancelled
-        if r.checks_counts and not w.sum_reduced: check_counts(self.normalize_by, w.items_min, w.items) # one sync per step
+        if r.checks_counts and not w.sum_reduced and w.items_min is not None: # a user's counts: one sync per step
+            check_counts(self.normalize_by, w.items_min, w.items)
         if w.ref is None and not w.sum_reduced: w.ref = r.ref() # no backward ran here: the same rho as elsewhere
         c,held,l = window_totals(w, window_key(self.epoch, r.i_window), sync.reduce, sync.world_size, sync.rank, sync.device)
         if not held: return self._abandon_window() # over all processes, every micro-batch was cancelled
