@@ -8,7 +8,7 @@ import contextlib
 import torch.distributed as dist
 
 # %% auto #0
-__all__ = ['FAILED_KEY', 'GRACE_S', 'PeerProcessFailed', 'describe', 'failed_key', 'failed_processes', 'stop_peers']
+__all__ = ['FAILED_KEY', 'GRACE_S', 'PeerProcessFailed', 'describe', 'failed_key', 'failed_processes', 'keep_group', 'stop_peers']
 
 # %% ../nbs/failfast.ipynb #148db410
 FAILED_KEY = 'fastxtend_accum/failed/' # + '<rank>/<n>': "ExcType: message" of the n-th fit that raised on process <rank>
@@ -59,12 +59,23 @@ def _all_failed(store, world:int, rank:int, n:int)->bool:
     "Whether every other process's `n`-th failing fit raised too, within `GRACE_S` seconds (then no process waits for another)"
     return _wait(store, [failed_key(r, n) for r in range(world) if r != rank], GRACE_S)
 
+_kept_groups = 0 # `keep_group` blocks entered
+
+@contextlib.contextmanager
+def keep_group():
+    "Inside: a fit that raises leaves the process group, and the other processes, as they are (for an error a script expects and handles on every process)"
+    global _kept_groups
+    _kept_groups += 1
+    try: yield
+    finally: _kept_groups -= 1
+
 def stop_peers(exc:BaseException, # The error the fit raised on this process
               )->PeerProcessFailed|None:
     "In a process group of several processes: tell the others why this fit failed, and stop their collectives; the error to raise instead, if a peer failed first"
     global _n_failed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1: return None
     if getattr(exc, 'everywhere', False): return None # raised on every process by construction: none waits for another
+    if _kept_groups: return None # the script handles it on every process (`keep_group`)
     world,rank,n = dist.get_world_size(),dist.get_rank(),_n_failed
     _n_failed += 1
     try: store = dist.distributed_c10d._get_default_store()

@@ -215,7 +215,10 @@ class ShardInBeforeFit(Callback):
 def run_before(case, out, rank):
     res = {}
     def attempt(f):
-        try: f(); return None
+        from fastxtend_accum.failfast import keep_group
+        try: # fastai's errors here are expected on both processes, maybe not at once: the group stays for the next case
+            with keep_group(): f()
+            return None
         except Exception as e: return ' '.join(f'{type(e).__name__}: {e}'.split())[:400] # fastai puts the cause on a line of its own
     if case == 'before_distrib_ctx': # fastai's DDP path on a model the user sharded
         learn = learner('adam', cbs=[GradientAccumulation(ACCUM_BS)], model=fully_shard_user(digits_mlp(seed=0)))
