@@ -14,7 +14,7 @@ from .distributed import split_loader, samples_per_process
 
 # %% auto #0
 __all__ = ['check_positive_int', 'check_bool', 'check_weighable', 'sampler_sizes', 'micro_batch_sizes', 'loader_drop_last',
-           'accumulation_callbacks', 'check_one_accumulation', 'check_one_learner', 'BatchSplitter', 'trains_batchnorm']
+           'accumulation_callbacks', 'check_one_accumulation', 'check_one_learner', 'BatchSplitter']
 
 # %% ../nbs/plan.ipynb #682a56a8
 def check_positive_int(name:str, value)->int:
@@ -131,7 +131,7 @@ class BatchSplitter(Callback):
         self._learn = learn
     def end_fit(self):
         "However the fit ended: no gradients, nothing patched left behind"
-
-def trains_batchnorm(model:nn.Module)->bool:
-    "Whether `model` has BatchNorm layers in training mode: their statistics come from each micro-batch"
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
+    def _zero_grads(self):
+        "Zero every gradient the model holds: nothing of a dropped window is left for the next"
+        for p in self._learn.model.parameters():
+            if p.grad is not None: p.grad.zero_()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 import torch, torch.distributed as dist
 from torch import nn, Tensor
-from .window import raised_everywhere
+from .window import raised_everywhere, scale_grads
 from .messages import warn
 
 # %% auto #0
@@ -33,12 +33,6 @@ def widen_add_(b:Tensor, g:Tensor):
     if g.device.type != 'cpu' or g.numel() <= CHUNK or not (b.is_contiguous() and g.is_contiguous()): return b.add_(g)
     bf,gf = b.view(-1),g.view(-1) # CUDA widens inside its kernel: no copy, no chunks
     for i in range(0, bf.numel(), CHUNK): bf[i:i+CHUNK].add_(gf[i:i+CHUNK])
-
-def _mul_(ts:list[Tensor], scale):
-    "Multiply the tensors `ts` in place by `scale` (a number, a 0-d tensor cast to each dtype, or None: nothing)"
-    if scale is None or not ts: return
-    if not isinstance(scale, Tensor): return torch._foreach_mul_(ts, scale)
-    for dt in {t.dtype for t in ts}: torch._foreach_mul_([t for t in ts if t.dtype == dt], scale.to(dt))
 
 def all_reduce_mean(ts:list[Tensor], # The tensors to average, in place
                     group=None, # The processes (None: all)
@@ -145,7 +139,8 @@ class FloatGrads:
                 if p.grad is None: p.grad = torch.zeros_like(p)
             all_reduce_mean(self.bufs + [p.grad for p in rest], sync.group, sync.world_size)
         made = [b for b in self.bufs if b is not None]
-        _mul_(made + [p.grad for p in rest if p.grad is not None], scale)
+        ts = made + [p.grad for p in rest if p.grad is not None]
+        if scale is not None and ts: scale_grads(ts, scale) # the window's factor, before the one rounding
         for i,(p,b) in enumerate(zip(self.params, self.bufs)):
             if b is None: continue
             if p.grad is None: p.grad = b.to(p.dtype) # the window's mean, rounded once to the parameter's dtype

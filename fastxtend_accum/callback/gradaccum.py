@@ -352,8 +352,7 @@ class GradientAccumulation(BatchSplitter):
         r = self.windows
         if not r.open: return
         r.fgrads.drop()
-        if self._learn is not None:
-            for g in self._grads(): g.zero_()
+        if self._learn is not None: self._zero_grads()
         r.window.done = True
 
     def _grads(self): return [p.grad for p in self._learn.model.parameters() if p.grad is not None]

@@ -409,6 +409,6 @@ class MicroBatching(BatchSplitter):
         if (msg := batchnorm_message(self.learn.model, 'whole batch')) is not None: warn(msg, 'batchnorm')
 
     def _zero_grads(self):
+        "The batch's gradients dropped, and a 16-bit model's float32 sums"
         self.fgrads.drop()
-        for p in self._learn.model.parameters():
-            if p.grad is not None: p.grad.zero_()
+        super()._zero_grads()
