@@ -14,7 +14,7 @@ from fastai.data.load import DataLoader as FastaiDataLoader
 MICRO_BS,ACCUM_BS,N_EPOCH = 16,64,2
 TEXT_ACCUM_BS = 32
 # seconds: a collective that waits longer fails the run instead of stalling it (gloo's default is 30 minutes)
-PG_TIMEOUT = int(os.environ.get('FXA_PG_TIMEOUT', 20))
+PG_TIMEOUT = int(os.environ.get('FXA_PG_TIMEOUT', 60))
 # `buckets`: a length-bucketing `batch_sampler` per process, with the same micro-batch count and different sizes
 BUCKETS = [[16]*8, [8]*7 + [72]]
 
