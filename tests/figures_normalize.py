@@ -6,7 +6,7 @@ the same script prints the figures of an older checkout too:
     PYTHONPATH=. .venv/bin/python tests/figures_normalize.py                 # this tree
     PYTHONPATH=/path/to/old/checkout .venv/bin/python tests/figures_normalize.py   # another version of the library
 
-The GPT-2 line needs `transformers` (not in the lock files): put an install of it on PYTHONPATH too."""
+The GPT-2 line needs `transformers` (pinned in both lock files)."""
 import importlib.util, inspect, os, sys, warnings
 from pathlib import Path
 import torch

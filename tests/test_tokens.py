@@ -178,10 +178,10 @@ def test_auto_reads_mixup_loss():
 
 def test_auto_hugging_face_gpt2(monkeypatch):
     """The issue's case: Hugging Face's GPT-2 built from a config (random weights), labels padded with -100, PyTorch's
-    CrossEntropyLoss, GradientAccumulation(32) on micro-batches of 8, no argument. Where `transformers` imports (it is not
-    in the lock files: install it beside them to run this); torchvision, which it would import, is hidden"""
+    CrossEntropyLoss, GradientAccumulation(32) on micro-batches of 8, no argument (transformers is pinned in both lock files);
+    torchvision, which it would import, is hidden"""
     monkeypatch.setitem(sys.modules, 'torchvision', None) # the CUDA torchvision wheel fails to import with CPU torch
-    transformers = pytest.importorskip('transformers')
+    import transformers
     class GPT2Logits(nn.Module):
         "GPT-2's next-token logits as (batch, vocab, length), the layout CrossEntropyLoss takes for sequences"
         def __init__(self):
