@@ -109,8 +109,8 @@ class WindowDealtSampler(torch.utils.data.Sampler):
     "PyTorch's `DistributedSampler`, dealing the order it draws on one process window by window (the callback's plan)"
     def __init__(self, sampler:DistributedSampler, # The user's sampler: its dataset, shuffle, seed and epoch
                  cb, # The accumulation callback whose windows are dealt
-                 bs:int, # Micro-batch size of each process (the loader's `batch_size`)
-                 drop_last:bool, # The loader's `drop_last`
+                 bs:int, # Micro-batch size of each process (the loader's batch_size)
+                 drop_last:bool, # Whether the loader drops its short last micro-batch
                  rank:int, # This process
                  world_size:int, # Processes
                 ):
@@ -138,7 +138,7 @@ def deals_sampler(dl)->bool:
 
 _NOT_COPIED = ('self', 'sampler', 'batch_sampler', 'shuffle') # the sampler is replaced; `shuffle` is the sampler's
 
-def window_dealt_loader(dl:torch.utils.data.DataLoader, # A loader `deals_sampler` accepts
+def window_dealt_loader(dl:torch.utils.data.DataLoader, # A loader that deals_sampler accepts
                         cb, # The accumulation callback whose windows are dealt
                         rank:int, # This process
                         world_size:int, # Processes
