@@ -138,6 +138,14 @@ def deals_sampler(dl)->bool:
 
 _NOT_COPIED = ('self', 'sampler', 'batch_sampler', 'shuffle') # the sampler is replaced; `shuffle` is the sampler's
 
+def _loader_args(dl)->dict:
+    "Every `DataLoader` argument of `dl` but its sampler, as it holds them now; a `ValueError` where one cannot be read back"
+    names = [k for k in inspect.signature(torch.utils.data.DataLoader.__init__).parameters if k not in _NOT_COPIED]
+    missing = [k for k in names if not hasattr(dl, k)]
+    if missing: raise raised_everywhere(ValueError(f"The training loader's {', '.join(missing)} cannot be read back to "
+        "rebuild it with its DistributedSampler dealt window by window: pass deal_windows=False"))
+    return {k: getattr(dl, k) for k in names}
+
 def window_dealt_loader(dl:torch.utils.data.DataLoader, # A loader that deals_sampler accepts
                         cb, # The accumulation callback whose windows are dealt
                         rank:int, # This process
@@ -148,12 +156,20 @@ def window_dealt_loader(dl:torch.utils.data.DataLoader, # A loader that deals_sa
     if s.num_replicas != world_size:
         raise raised_everywhere(ValueError(f"The training loader's DistributedSampler has num_replicas={s.num_replicas}, and "
             f"{world_size} processes train: build it for the process group (the default num_replicas), or pass deal_windows=False"))
-    names = [k for k in inspect.signature(torch.utils.data.DataLoader.__init__).parameters if k not in _NOT_COPIED]
-    missing = [k for k in names if not hasattr(dl, k)]
-    if missing: raise raised_everywhere(ValueError(f"The training loader's {', '.join(missing)} cannot be read back to "
-        "rebuild it with its DistributedSampler dealt window by window: pass deal_windows=False"))
-    kw = {k: getattr(dl, k) for k in names}
-    return torch.utils.data.DataLoader(sampler=WindowDealtSampler(s, cb, dl.batch_size, dl.drop_last, rank, world_size), **kw)
+    return torch.utils.data.DataLoader(sampler=WindowDealtSampler(s, cb, dl.batch_size, dl.drop_last, rank, world_size),
+                                       **_loader_args(dl))
+
+def _still_copies(copy, # A loader window_dealt_loader made
+                  dl, # The user's loader
+                  rank:int, # This process
+                  world_size:int, # Processes
+                 )->bool:
+    "Whether `copy` is still `dl` dealt over `world_size` processes: the same sampler and arguments"
+    d = copy.sampler.dealer
+    return (copy.sampler.sampler is dl.sampler and (d.rank, d.world_size, d.n) == (rank, world_size, len(dl.sampler.dataset))
+            and all(a is b or (isinstance(a, (int, float, str)) and a == b)
+                    for a,b in zip(_loader_args(copy).values(), _loader_args(dl).values())))
+
 
 # %% ../nbs/dealing.ipynb #0aa89ffc
 def deal_windows(cb, # A GradientAccumulation (or a subclass)
@@ -165,10 +181,10 @@ def deal_windows(cb, # A GradientAccumulation (or a subclass)
     inner = split_loader(dl)
     if inner is not None and DistributedDL is not None:
         cb.learn.dl = WindowDealtDL(inner, cb, rank=dl.rank, world_size=dl.world_size, device=dl.device)
-    elif deals_sampler(dl): # the copy is kept with the loader it copies, for the next epochs
-        key,(old,copy) = (dist.get_rank(), cb.windows.world_size),getattr(cb, '_dealt_loader', (None, None))
-        if old is not dl or (copy.sampler.dealer.rank, copy.sampler.dealer.world_size) != key:
-            copy = window_dealt_loader(dl, cb, *key)
-            cb._dealt_loader = dl,copy
-        copy.sampler.dealer.cb,cb.learn.dl = cb,copy
+    elif deals_sampler(dl): # the copy is kept while it copies the loader: persistent workers stay up
+        r,rank = cb.windows,dist.get_rank()
+        if r.dealt is None or r.dealt[0] is not dl or not _still_copies(r.dealt[1], dl, rank, r.world_size):
+            r.dealt = dl,window_dealt_loader(dl, cb, rank, r.world_size)
+        r.dealt[1].sampler.dealer.cb = cb
+        cb.learn.dl = r.dealt[1]
     # any other loader (another sampler, a batch sampler, a DataLoader subclass): the user's sampler is left alone

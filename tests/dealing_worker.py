@@ -27,9 +27,10 @@ N_EPOCH,LR,MICRO_BS,ACCUM_BS = 2,0.1,8,64
 N = {'gas': 1024, 'sampler': 1023, 'sampler_contiguous': 1023, 'sampler_large': 1023} # training samples; 1,000 in the others
 
 class Steps(Callback):
-    "Each optimizer step's samples (over all processes) and lr, by epoch"
+    "Each optimizer step's samples (over all processes) and lr, by epoch; each epoch's training loader (its sampler's class)"
     order = 7
-    def before_fit(self): self.taken = []
+    def before_fit(self): self.taken,self.loaders = [],[]
+    def before_train(self): self.loaders.append((type(getattr(self.dl, 'sampler', None)).__name__, id(self.dl))) # after the dealing
     def before_step(self):
         from fastxtend_accum.patches import accum_callback
         cb = accum_callback(self.learn)
@@ -77,7 +78,9 @@ def run_case(case:str, out:str, world:int, rank:int):
     ctx = contextlib.nullcontext() if case.startswith('sampler') else learn.distrib_ctx(cpu=True) # DDPWrap: the user's DDP
     with ctx, learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(N_EPOCH, LR)
     if rank == 0:
-        torch.save(dict(steps=learn.steps.taken, losses=[float(o) for o in learn.recorder.losses],
+        seen = learn.steps.loaders
+        torch.save(dict(steps=learn.steps.taken, loaders=[n for n,_ in seen], one_loader=len({i for _,i in seen}) == 1,
+                        losses=[float(o) for o in learn.recorder.losses],
                         params=[p.detach().clone() for p in learn.model.parameters()]), os.path.join(out, f'{case}-w{world}.pt'))
 
 def main(out:str, cases:list[str]):

@@ -71,3 +71,8 @@ def test_sampler_left_alone_pads(runs):
     print(f'sampler_contiguous on 2 processes vs sampler_large on one: {len(r["steps"])} steps against 30, max |param diff| {w:.3g}')
     assert w > 1e-4
     assert [n for _,n,_ in runs['sampler_large_keep', 1]['steps']] == ([64]*15 + [40])*2
+
+def test_sampler_copy_trains(runs):
+    "The dealt runs train on the copy (one for both epochs: persistent workers would stay up); deal_windows=False on the user's"
+    for w in (2, 4): assert runs['sampler', w]['loaders'] == ['WindowDealtSampler']*2 and runs['sampler', w]['one_loader']
+    assert runs['sampler', 1]['loaders'] == runs['sampler_contiguous', 2]['loaders'] == ['DistributedSampler']*2
