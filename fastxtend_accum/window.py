@@ -201,6 +201,7 @@ class Windows:
     warned:set             # one-time messages already given
     auto = None            # normalize_by='auto': what it read and said
     fgrads = None          # 16-bit parameters' window sums in float32 (see `precision`)
+    dealt = None           # the user's DistributedSampler loader and its window-dealt copy (see `dealing`)
     # per fit
     sync = None            # the engine's sync object (see `distributed`)
     counter = None         # what a micro-batch's items are counted by

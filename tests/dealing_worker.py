@@ -8,8 +8,14 @@ Cases: `ga` (`GradientAccumulation(64, global_bs=True)`, micro-batches of 8, 1,0
 `gas` (`GradientAccumulationSchedule(32, 128, start=1, finish=1, global_bs=True)`, 1,024 samples), `ga_keep` (`ga` on a loader
 that keeps its last partial batch: 1,000 samples, the last window holds 40), `ga_contiguous` (`ga` with `deal_windows=False`:
 fastai's contiguous shares, as before) and `large`, `large_keep` (one process, batches of 64, no accumulation: the
-references)."""
-import os, sys
+references).
+
+The `sampler` cases train on a PyTorch `DataLoader` over this process's `DistributedSampler` (shuffled, seed 0, `set_epoch`
+each epoch), the model wrapped in `DistributedDataParallel` by hand (no `distrib_ctx`): `sampler` (`ga` on it, the
+loader's `drop_last`, 1,023 samples, which the sampler pads to a multiple of the processes), `sampler_keep` (the loader keeps its short batch, the sampler has `drop_last=True`),
+`sampler_contiguous`, `sampler_keep_contiguous` (`deal_windows=False`: the sampler's every R-th sample, as before) and `sampler_large`,
+`sampler_large_keep` (one process, `DistributedSampler(num_replicas=1, rank=0)`, batches of 64, no accumulation)."""
+import contextlib, os, sys
 import torch, torch.nn as nn, torch.distributed as dist
 from fastai.basics import *
 
@@ -18,19 +24,31 @@ sys.path.insert(0, HERE)
 import ddp_worker as W
 
 N_EPOCH,LR,MICRO_BS,ACCUM_BS = 2,0.1,8,64
-N = {'gas': 1024} # samples in the training set; 1,000 in the others
+N = {'gas': 1024, 'sampler': 1023, 'sampler_contiguous': 1023, 'sampler_large': 1023} # training samples; 1,000 in the others
 
 class Steps(Callback):
-    "Each optimizer step's samples (over all processes) and lr, by epoch"
+    "Each optimizer step's samples (over all processes) and lr, by epoch; each epoch's training loader (its sampler's class)"
     order = 7
-    def before_fit(self): self.taken = []
+    def before_fit(self): self.taken,self.loaders = [],[]
+    def before_train(self): self.loaders.append((type(getattr(self.dl, 'sampler', None)).__name__, id(self.dl))) # after the dealing
     def before_step(self):
         from fastxtend_accum.patches import accum_callback
         cb = accum_callback(self.learn)
         n = find_bs(self.yb) if cb is None else cb.windows.sync.sum(cb.windows.window.samples).item()
         self.taken.append((self.epoch, int(n), float(self.opt.hypers[-1]['lr'])))
 
-def learner(case:str):
+class SetEpoch(Callback):
+    "What a PyTorch loop does with a `DistributedSampler`: `set_epoch`, so that each epoch shuffles anew"
+    def before_train(self): self.dl.sampler.set_epoch(self.epoch)
+
+def sampler_dls(trn, val, bs:int, case:str, world:int, rank:int)->DataLoaders:
+    "A PyTorch training loader over this process's `DistributedSampler`, fastai's validation loader"
+    keep = '_keep' in case
+    s = torch.utils.data.DistributedSampler(trn, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=keep)
+    tdl = torch.utils.data.DataLoader(trn, batch_size=bs, sampler=s, drop_last=not keep, num_workers=0)
+    return DataLoaders(tdl, DataLoaders.from_dsets(trn, val, bs=bs, device='cpu', num_workers=0).valid, device='cpu')
+
+def learner(case:str, world:int=1, rank:int=0):
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
     from fastxtend_accum.callback.schedule import GradientAccumulationSchedule
     from fastxtend_accum.test_utils import digits_data, digits_mlp, Float64SmoothLoss, Samples
@@ -38,22 +56,31 @@ def learner(case:str):
     n = N.get(case, 1000)
     trn,val = Samples(zip(x[:n], y[:n])),Samples(zip(x[-256:], y[-256:]))
     set_seed(0) # the same shuffle for any batch size
-    bs = ACCUM_BS if case.startswith('large') else MICRO_BS
+    bs = ACCUM_BS if 'large' in case else MICRO_BS
     dls = DataLoaders.from_dsets(trn, val, bs=bs, device='cpu', num_workers=0)
-    if case.endswith('_keep'): dls.train.drop_last = False
-    cbs = {'large': lambda: [], 'large_keep': lambda: [],
+    if case.startswith('sampler'): dls = sampler_dls(trn, val, bs, case, world, rank)
+    elif case.endswith('_keep'): dls.train.drop_last = False
+    cbs = {'large': lambda: [], 'large_keep': lambda: [], 'sampler_large': lambda: [], 'sampler_large_keep': lambda: [],
+           'sampler': lambda: [GradientAccumulation(ACCUM_BS, global_bs=True)],
+           'sampler_keep': lambda: [GradientAccumulation(ACCUM_BS, global_bs=True)],
+           'sampler_contiguous': lambda: [GradientAccumulation(ACCUM_BS, global_bs=True, deal_windows=False)],
+           'sampler_keep_contiguous': lambda: [GradientAccumulation(ACCUM_BS, global_bs=True, deal_windows=False)],
            'ga': lambda: [GradientAccumulation(ACCUM_BS, global_bs=True)],
            'ga_keep': lambda: [GradientAccumulation(ACCUM_BS, global_bs=True)],
            'ga_contiguous': lambda: [GradientAccumulation(ACCUM_BS, global_bs=True, deal_windows=False)],
            'gas': lambda: [GradientAccumulationSchedule(32, 128, start=1, finish=1, global_bs=True)]}[case]()
+    if case.startswith('sampler'): cbs += [SetEpoch()] + ([W.DDPWrap()] if world > 1 else [])
     return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=LR,
                    cbs=[Float64SmoothLoss(), Steps()] + cbs)
 
 def run_case(case:str, out:str, world:int, rank:int):
-    learn = learner(case)
-    with learn.distrib_ctx(cpu=True), learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(N_EPOCH, LR)
+    learn = learner(case, world, rank)
+    ctx = contextlib.nullcontext() if case.startswith('sampler') else learn.distrib_ctx(cpu=True) # DDPWrap: the user's DDP
+    with ctx, learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(N_EPOCH, LR)
     if rank == 0:
-        torch.save(dict(steps=learn.steps.taken, losses=[float(o) for o in learn.recorder.losses],
+        seen = learn.steps.loaders
+        torch.save(dict(steps=learn.steps.taken, loaders=[n for n,_ in seen], one_loader=len({i for _,i in seen}) == 1,
+                        losses=[float(o) for o in learn.recorder.losses],
                         params=[p.detach().clone() for p in learn.model.parameters()]), os.path.join(out, f'{case}-w{world}.pt'))
 
 def main(out:str, cases:list[str]):

@@ -1,14 +1,21 @@
 """World-size-invariant windows: with `global_bs=True` under fastai's `distrib_ctx`, the same script on 1, 2 and 4 processes
 (torchrun, gloo, CPU, float64) takes the optimizer steps of one process with batches of `accum_bs` and no accumulation:
 the same samples and lr at every step (1e-12) and the same weights (1e-8). fastai's contiguous shares (`deal_windows=False`)
-end measurably apart. The worker is `dealing_worker.py`."""
+end measurably apart. The same holds for a PyTorch `DataLoader` over a `DistributedSampler` (the model wrapped in DDP by
+hand): against one process over `DistributedSampler(num_replicas=1)` with batches of `accum_bs`; left alone
+(`deal_windows=False`), the sampler pads 1,023 samples to a multiple of the processes, and the epoch holds one more step.
+The worker is `dealing_worker.py`."""
 import os, subprocess, sys
 import pytest, torch
 from test_distributed import free_port, ENV, HERE
 
 WORKER = os.path.join(HERE, 'dealing_worker.py')
 TIMEOUT = 300 # seconds for a launch (4 processes on 2 loaded cores); a collective that hangs fails after the group's timeout
-CASES = {1: ['large', 'large_keep', 'ga', 'ga_keep', 'gas'], 2: ['ga', 'ga_keep', 'gas', 'ga_contiguous'], 4: ['ga', 'ga_keep', 'gas']}
+CASES = {1: ['large', 'large_keep', 'ga', 'ga_keep', 'gas', 'sampler_large', 'sampler_large_keep', 'sampler'],
+         2: ['ga', 'ga_keep', 'gas', 'ga_contiguous', 'sampler', 'sampler_keep', 'sampler_contiguous'],
+         4: ['ga', 'ga_keep', 'gas', 'sampler', 'sampler_keep']}
+
+CASES_RUN = {(c, w) for w,cs in CASES.items() for c in cs}
 
 def run(cmd):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT='120'), cwd=os.path.dirname(HERE))
@@ -29,8 +36,9 @@ def diffs(r, ref):
     w = max(float((p-q).abs().max()) for p,q in zip(r['params'], ref['params']))
     return lr,w
 
-@pytest.mark.parametrize('case,ref,world', [(c, r, w) for c,r in [('ga', 'large'), ('ga_keep', 'large_keep'), ('gas', 'gas')]
-                                             for w in (1, 2, 4) if (c, w) != ('gas', 1)])
+@pytest.mark.parametrize('case,ref,world', [(c, r, w) for c,r in [('ga', 'large'), ('ga_keep', 'large_keep'), ('gas', 'gas'),
+                                                                  ('sampler', 'sampler_large'), ('sampler_keep', 'sampler_large_keep')]
+                                             for w in (1, 2, 4) if (c, w) in CASES_RUN and (c, w) != ('gas', 1)])
 def test_same_run_on_any_number_of_processes(runs, case, ref, world):
     "GradientAccumulation against one process with batches of accum_bs; the schedule against itself on one process"
     r,base = runs[case, world],runs[ref, 1]
@@ -53,3 +61,18 @@ def test_contiguous_shares_differ(runs):
     lr,w = diffs(runs['ga_contiguous', 2], runs['large', 1])
     print(f'ga_contiguous on 2 processes vs large on one: max |param diff| {w:.3g}')
     assert lr < 1e-12 and w > 1e-4
+
+def test_sampler_left_alone_pads(runs):
+    """deal_windows=False on a DistributedSampler: 1,023 samples padded to 1,024 (one sample twice) hold 16 windows of 64 an
+    epoch where one process holds 15 and drops 63; dealt, the epoch is one process's"""
+    r,ref = runs['sampler_contiguous', 2],runs['sampler_large', 1]
+    assert [n for _,n,_ in ref['steps']] == [64]*30 and [n for _,n,_ in r['steps']] == [64]*32
+    w = max(float((p-q).abs().max()) for p,q in zip(r['params'], ref['params']))
+    print(f'sampler_contiguous on 2 processes vs sampler_large on one: {len(r["steps"])} steps against 30, max |param diff| {w:.3g}')
+    assert w > 1e-4
+    assert [n for _,n,_ in runs['sampler_large_keep', 1]['steps']] == ([64]*15 + [40])*2
+
+def test_sampler_copy_trains(runs):
+    "The dealt runs train on the copy (one for both epochs: persistent workers would stay up); deal_windows=False on the user's"
+    for w in (2, 4): assert runs['sampler', w]['loaders'] == ['WindowDealtSampler']*2 and runs['sampler', w]['one_loader']
+    assert runs['sampler', 1]['loaders'] == runs['sampler_contiguous', 2]['loaders'] == ['DistributedSampler']*2
