@@ -9,7 +9,7 @@ from fastai.basics import *
 from .distributed import split_loader
 try: from fastai.distributed import DistributedDL
 except ImportError: DistributedDL = None # fastai.distributed needs accelerate: without it there is no `distrib_ctx` either
-from .messages import warn
+from .messages import warn, linked
 
 # %% auto #0
 __all__ = ['dealt_order', 'WindowDealtDL', 'deal_windows']
@@ -25,7 +25,7 @@ def dealt_order(order:list, # The sample order of the epoch over all processes (
     for q in shares:
         res += order[pos+rank*q : pos+(rank+1)*q]
         pos += world_size*q
-    if pos > len(order): raise ValueError(f"The windows deal {pos} samples, and the epoch holds {len(order)}")
+    if pos > len(order): raise ValueError(linked(f"The windows deal {pos} samples, and the epoch holds {len(order)}", 'deal-windows'))
     return res
 
 # %% ../nbs/dealing.ipynb #a075d2d0
@@ -64,13 +64,13 @@ class WindowDealtDL(DistributedDL if DistributedDL is not None else object):
         order = self._broadcast(list(self.dl.get_idxs()), 0) # rank 0's shuffle, as fastai's `DistributedDL`
         plan = self.cb.plan
         if plan is None or plan.sizes != self.sizes:
-            raise RuntimeError(f"{type(self).__name__} deals the windows of {type(self.cb).__name__}'s plan, and it has none for "
-                               f"this loader's {len(self.sizes)} micro-batches: pass deal_windows=False")
+            raise RuntimeError(linked(f"{type(self).__name__} deals the windows of {type(self.cb).__name__}'s plan, and it has none for "
+                               f"this loader's {len(self.sizes)} micro-batches: pass deal_windows=False", 'deal-windows'))
         if self.left_out and not self._warned:
             self._warned = True
             warn(f"The epoch's {len(order)} samples do not split evenly over {self.world_size} processes after its last "
                           f"whole window: its last {self.left_out} samples are left out of training each epoch (drop_last=True, or "
-                          "a number of samples that the processes share evenly, keeps every step the one-process run's)")
+                          "a number of samples that the processes share evenly, keeps every step the one-process run's)", 'deal-windows')
         return dealt_order(order, [sum(plan.sizes[s:e]) for s,e in _segments(plan)], self.rank, self.world_size)
 
     def to_detach(self, b, cpu=True, gather=True):
