@@ -12,7 +12,7 @@ from .distributed import split_loader
 from .window import raised_everywhere
 try: from fastai.distributed import DistributedDL
 except ImportError: DistributedDL = None # fastai.distributed needs accelerate: without it there is no `distrib_ctx` either
-from .messages import warn
+from .messages import warn, linked
 
 # %% auto #0
 __all__ = ['dealt_order', 'dealt_sizes', 'WindowDealer', 'WindowDealtDL', 'WindowDealtSampler', 'deals_sampler',
@@ -29,7 +29,7 @@ def dealt_order(order:list, # The sample order of the epoch over all processes (
     for q in shares:
         res += order[pos+rank*q : pos+(rank+1)*q]
         pos += world_size*q
-    if pos > len(order): raise ValueError(f"The windows deal {pos} samples, and the epoch holds {len(order)}")
+    if pos > len(order): raise ValueError(linked(f"The windows deal {pos} samples, and the epoch holds {len(order)}", 'deal-windows'))
     return res
 
 # %% ../nbs/dealing.ipynb #a075d2d0
@@ -69,13 +69,13 @@ class WindowDealer:
         "This process's samples of `order`, dealt by the windows of the callback's plan"
         plan = self.cb.plan
         if plan is None or plan.sizes != self.sizes:
-            raise RuntimeError(f"{self.owner} deals the windows of {type(self.cb).__name__}'s plan, and it has none for "
-                               f"this loader's {len(self.sizes)} micro-batches: pass deal_windows=False")
+            raise RuntimeError(linked(f"{self.owner} deals the windows of {type(self.cb).__name__}'s plan, and it has none for "
+                               f"this loader's {len(self.sizes)} micro-batches: pass deal_windows=False", 'deal-windows'))
         if self.left_out and not self._warned:
             self._warned = True
             warn(f"The epoch's {len(order)} samples do not split evenly over {self.world_size} processes after its last "
                           f"whole window: its last {self.left_out} samples are left out of training each epoch (drop_last=True, or "
-                          "a number of samples that the processes share evenly, keeps every step the one-process run's)")
+                          "a number of samples that the processes share evenly, keeps every step the one-process run's)", 'deal-windows')
         return dealt_order(order, [sum(plan.sizes[s:e]) for s,e in _segments(plan)], self.rank, self.world_size)
 
 # %% ../nbs/dealing.ipynb #87859fa5
@@ -142,8 +142,8 @@ def _loader_args(dl)->dict:
     "Every `DataLoader` argument of `dl` but its sampler, as it holds them now; a `ValueError` where one cannot be read back"
     names = [k for k in inspect.signature(torch.utils.data.DataLoader.__init__).parameters if k not in _NOT_COPIED]
     missing = [k for k in names if not hasattr(dl, k)]
-    if missing: raise raised_everywhere(ValueError(f"The training loader's {', '.join(missing)} cannot be read back to "
-        "rebuild it with its DistributedSampler dealt window by window: pass deal_windows=False"))
+    if missing: raise raised_everywhere(ValueError(linked(f"The training loader's {', '.join(missing)} cannot be read back "
+        "to rebuild it with its DistributedSampler dealt window by window: pass deal_windows=False", 'deal-windows')))
     return {k: getattr(dl, k) for k in names}
 
 def window_dealt_loader(dl:torch.utils.data.DataLoader, # A loader that deals_sampler accepts
@@ -154,8 +154,9 @@ def window_dealt_loader(dl:torch.utils.data.DataLoader, # A loader that deals_sa
     "A copy of `dl` (every `DataLoader` argument but the sampler) whose sampler is `dl.sampler`, window dealt"
     s = dl.sampler
     if s.num_replicas != world_size:
-        raise raised_everywhere(ValueError(f"The training loader's DistributedSampler has num_replicas={s.num_replicas}, and "
-            f"{world_size} processes train: build it for the process group (the default num_replicas), or pass deal_windows=False"))
+        raise raised_everywhere(ValueError(linked(f"The training loader's DistributedSampler has num_replicas={s.num_replicas}, "
+            f"and {world_size} processes train: build it for the process group (the default num_replicas), or pass "
+            "deal_windows=False", 'deal-windows')))
     return torch.utils.data.DataLoader(sampler=WindowDealtSampler(s, cb, dl.batch_size, dl.drop_last, rank, world_size),
                                        **_loader_args(dl))
 

@@ -12,6 +12,7 @@ try: from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 except ImportError: FSDPModule = FullyShardedDataParallel = None # a PyTorch without FSDP: its models cannot reach us
 from fastai.data.load import DataLoader as FastaiDataLoader
 from .precision import all_reduce_mean
+from .messages import linked
 
 # %% auto #0
 __all__ = ['GRAD_SYNCS', 'split_loader', 'samples_per_process', 'default_world_size', 'check_grad_sync', 'WindowSync',
@@ -45,7 +46,7 @@ GRAD_SYNCS = ('auto', 'window', 'micro_batch')
 def check_grad_sync(grad_sync:str)->str:
     "`grad_sync` if it is one of `GRAD_SYNCS`, else a `ValueError` that names the parameter and the value"
     if isinstance(grad_sync, str) and grad_sync in GRAD_SYNCS: return grad_sync
-    raise ValueError(f"`grad_sync` must be one of {', '.join(map(repr, GRAD_SYNCS))}, got {grad_sync!r}")
+    raise ValueError(linked(f"`grad_sync` must be one of {', '.join(map(repr, GRAD_SYNCS))}, got {grad_sync!r}", 'arguments'))
 
 _NOTHING = contextlib.nullcontext()
 
@@ -179,7 +180,7 @@ class FSDP1Sync(ProcessGroupSync):
                  grad_sync:str='auto', # 'micro_batch' (= 'auto') or 'window'
                 ):
         if getattr(fsdp, '_inter_node_pg', None) is not None:
-            raise ValueError("FSDP1's hybrid sharding is not supported: shard with FSDP2's `fully_shard` on a 2-D mesh (HSDP) instead")
+            raise ValueError(linked("FSDP1's hybrid sharding is not supported: shard with FSDP2's `fully_shard` on a 2-D mesh (HSDP) instead", 'fsdp'))
         super().__init__(fsdp, grad_sync, fsdp.process_group)
 
     def _policy(self, stack, closes:bool):
@@ -200,8 +201,8 @@ class FSDP2Sync(ProcessGroupSync):
                 ):
         self.mesh = next(p for p in model.parameters()).device_mesh
         if self.mesh.size() != dist.get_world_size():
-            raise ValueError(f"FSDP2 over a mesh of {self.mesh.size()} of the {dist.get_world_size()} processes (tensor or "
-                             "pipeline parallelism beside it) is not supported: shard over every process")
+            raise ValueError(linked(f"FSDP2 over a mesh of {self.mesh.size()} of the {dist.get_world_size()} processes (tensor or "
+                             "pipeline parallelism beside it) is not supported: shard over every process", 'fsdp'))
         self.hsdp = self.mesh.ndim == 2
         super().__init__(model, grad_sync, None) # the mesh holds every process: counts are summed over the default group
 
@@ -231,6 +232,6 @@ def window_sync(model:nn.Module, # The model as the Learner holds it
     if FullyShardedDataParallel is not None and isinstance(model, FullyShardedDataParallel): return FSDP1Sync(model, grad_sync)
     if FSDPModule is not None and isinstance(model, FSDPModule): return FSDP2Sync(model, grad_sync)
     if sharding_engine(model) is not None:
-        raise ValueError(f"The model's submodules are sharded but the model ({type(model).__name__}) is not: shard the root too "
-                         "(`fully_shard(model)` after its blocks, or wrap it in `FullyShardedDataParallel`), as PyTorch's FSDP expects")
+        raise ValueError(linked(f"The model's submodules are sharded but the model ({type(model).__name__}) is not: shard the root too "
+                         "(`fully_shard(model)` after its blocks, or wrap it in `FullyShardedDataParallel`), as PyTorch's FSDP expects", 'fsdp'))
     return WindowSync(model, grad_sync)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import contextlib
 import torch.distributed as dist
+from .messages import linked
 
 # %% auto #0
 __all__ = ['FAILED_KEY', 'GRACE_S', 'PeerProcessFailed', 'describe', 'failed_key', 'failed_processes', 'keep_group', 'stop_peers']
@@ -88,5 +89,5 @@ def stop_peers(exc:BaseException, # The error the fit raised on this process
     with contextlib.suppress(Exception): dist.destroy_process_group() # gloo closes its connections: peers' collectives raise
     if not first: return None
     why = '; '.join(f'process {r} of {world} failed in its fit with {m}' for r,m in sorted(first.items()))
-    return PeerProcessFailed(f"{why[0].upper()}{why[1:]}. Process {rank} stopped at its next collective (its error is chained "
-                             "below); the process group is destroyed")
+    return PeerProcessFailed(linked(f"{why[0].upper()}{why[1:]}. Process {rank} stopped at its next collective (its error is chained "
+                             "below); the process group is destroyed", 'peer-failed'))

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import functools, math, numbers, warnings
 from fastai.basics import *
-from .messages import warn
+from .messages import warn, linked
 
 # %% auto #0
 __all__ = ['SampleCount', 'TokenCount', 'WeightedTargetCount', 'LossSum', 'item_counter', 'check_count', 'check_counts',
@@ -40,9 +40,9 @@ class WeightedTargetCount:
         ignore_index:int=-100, # The loss's ignore_index
     ):
         if not (isinstance(weight, Tensor) and weight.ndim == 1 and weight.is_floating_point()):
-            raise ValueError(f"`weight` must be a 1-d float tensor of class weights, got {weight!r}")
+            raise ValueError(linked(f"`weight` must be a 1-d float tensor of class weights, got {weight!r}", 'counts'))
         if not (torch.isfinite(weight).all() and (weight >= 0).all()): # one device sync, when the counter is made
-            raise ValueError(f"class weights must be finite and non-negative to count by them, got {weight.tolist()}")
+            raise ValueError(linked(f"class weights must be finite and non-negative to count by them, got {weight.tolist()}", 'counts'))
         store_attr()
         # a micro-batch of zero-weight targets only has a loss of 0/0, whose gradient is NaN: the callbacks zero it
         self.zero_nan = bool((weight == 0).any())
@@ -67,14 +67,14 @@ def item_counter(normalize_by='auto'):
     "The counter for `normalize_by`: `'samples'`, `'sum'`, or a callable `(xb, yb) -> count` such as `TokenCount()`; `'auto'`: samples until the loss is read"
     if isinstance(normalize_by, str) and normalize_by in ('auto', 'samples'): return SampleCount()
     if isinstance(normalize_by, str) and normalize_by == 'sum': return LossSum()
-    if isinstance(normalize_by, type): raise ValueError(f"`normalize_by` must be a counter instance, got the class "
-                                                        f"{normalize_by.__name__}: pass `{normalize_by.__name__}()`")
+    if isinstance(normalize_by, type): raise ValueError(linked(f"`normalize_by` must be a counter instance, got the class "
+                                                        f"{normalize_by.__name__}: pass `{normalize_by.__name__}()`", 'counts'))
     if callable(normalize_by): return normalize_by
-    raise ValueError(f"`normalize_by` must be 'auto', 'samples', 'sum' or a callable (xb, yb) -> count such as TokenCount(), got {normalize_by!r}")
+    raise ValueError(linked(f"`normalize_by` must be 'auto', 'samples', 'sum' or a callable (xb, yb) -> count such as TokenCount(), got {normalize_by!r}", 'counts'))
 
 # %% ../nbs/normalize.ipynb #971f532d
-def _bad_count(normalize_by, value): return ValueError(f"`normalize_by`={normalize_by!r} returned {value!r}: a micro-batch's "
-                                                       "count must be a finite, non-negative number")
+def _bad_count(normalize_by, value): return ValueError(linked(f"`normalize_by`={normalize_by!r} returned {value!r}: a micro-batch's "
+                                                       "count must be a finite, non-negative number", 'counts'))
 
 def check_count(normalize_by, c)->Tensor:
     "The count `c` that `normalize_by` returned for a micro-batch, as a float64 tensor (a tensor's value is checked at the step)"
@@ -92,8 +92,8 @@ def check_counts(normalize_by, # The counter, named in the error
     "Raise if a window's counts were negative, NaN or infinite, or all 0: one device sync per window, instead of one per micro-batch"
     lo,tot = torch.stack([smallest, total.to(smallest.device)]).tolist()
     if not (lo >= 0 and math.isfinite(tot)): raise _bad_count(normalize_by, lo if not lo >= 0 else tot)
-    if tot == 0: raise ValueError(f"`normalize_by`={normalize_by!r} returned 0 for every micro-batch of a window: the loss "
-                                  "averages over nothing, and the step would be made of zero gradients")
+    if tot == 0: raise ValueError(linked(f"`normalize_by`={normalize_by!r} returned 0 for every micro-batch of a window: the loss "
+                                  "averages over nothing, and the step would be made of zero gradients", 'counts'))
 
 # %% ../nbs/normalize.ipynb #886cd3c9
 _CE_MODULES,_CE_FUNCTIONS = (nn.CrossEntropyLoss, nn.NLLLoss),(F.cross_entropy, F.nll_loss)
@@ -167,7 +167,7 @@ class AutoNormalize:
             else: what = 'what {} averages over, {} ignore_index={}:'.format(_loss_name(loss_func), 'the targets that are not'
                 if type(c) is TokenCount else 'the class weights of the targets that are not', c.ignore_index)
             if self.verbose and rank_distrib() == 0: # '\r': over a console progress bar's frame, not after it
-                print(f"\r{self.owner}: normalize_by='auto' counts {what} {c!r}")
+                print(linked(f"\r{self.owner}: normalize_by='auto' counts {what} {c!r}", 'auto-count'))
         return c
 
     def _watch(self, loss_func, yb):

@@ -13,7 +13,7 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 from fastprogress.fastprogress import progress_bar, master_bar
 from .failfast import stop_peers
 from .export import without_library_callbacks, library_refs
-from .messages import warn
+from .messages import warn, linked
 import cloudpickle
 
 # %% auto #0
@@ -88,8 +88,8 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, star
     patch_loggers() # fastai's W&B/TensorBoard modules, whenever they were imported (before or after this library)
     for cb in L(cbs):
         if _splits_batches(cb) and any(o is cb for o in self.cbs):
-            raise ValueError(f"This {type(cb).__name__} is passed to `fit(cbs=...)` but is already attached to the Learner "
-                             "(`Learner(cbs=...)` or `add_cb`): it would count every micro-batch twice. Pass it once")
+            raise ValueError(linked(f"This {type(cb).__name__} is passed to `fit(cbs=...)` but is already attached to the Learner "
+                             "(`Learner(cbs=...)` or `add_cb`): it would count every micro-batch twice. Pass it once", 'two-accumulations'))
     try: return fastai_method(Learner, 'fit')(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=start_epoch)
     except BaseException as e:
         for cb in self.cbs:

@@ -11,6 +11,7 @@ from fastai.data.load import DataLoader as FastaiDataLoader
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from .window import *
 from .distributed import split_loader, samples_per_process
+from .messages import linked
 
 # %% auto #0
 __all__ = ['check_positive_int', 'check_bool', 'check_weighable', 'sampler_sizes', 'micro_batch_sizes', 'loader_drop_last',
@@ -20,14 +21,14 @@ __all__ = ['check_positive_int', 'check_bool', 'check_weighable', 'sampler_sizes
 def check_positive_int(name:str, value)->int:
     "`value` as an `int`, or a `ValueError` that names the parameter `name` and the value"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r} ({type(value).__name__})")
+        raise ValueError(linked(f"`{name}` must be a positive integer, got {value!r} ({type(value).__name__})", 'arguments'))
     return int(value)
 
 # %% ../nbs/plan.ipynb #e4f26e5f
 def check_bool(name:str, value, none_ok:bool=False)->bool|None:
     "`value` if it is a `bool` (or `None` when `none_ok`), else a `ValueError` that names the parameter `name` and the value"
     if isinstance(value, (bool, np.bool_)) or (none_ok and value is None): return None if value is None else bool(value)
-    raise ValueError(f"`{name}` must be True or False{' or None' if none_ok else ''}, got {value!r} ({type(value).__name__})")
+    raise ValueError(linked(f"`{name}` must be True or False{' or None' if none_ok else ''}, got {value!r} ({type(value).__name__})", 'arguments'))
 
 # %% ../nbs/plan.ipynb #cc277c66
 def check_weighable(model:nn.Module, # The model whose parameters the weights multiply
@@ -106,15 +107,15 @@ def check_one_accumulation(cb:Callback):
     "Raise if another accumulation callback is in `cb`'s fit: two of them would each take the other's micro-batches"
     other = next((o for o in accumulation_callbacks(cb.learn) if o is not cb), None)
     if other is not None:
-        raise ValueError(f"{type(cb).__name__} and {type(other).__name__} both split the batch in this fit ({_where(cb)} and "
-                         f"{_where(other)}): use one accumulation callback")
+        raise ValueError(linked(f"{type(cb).__name__} and {type(other).__name__} both split the batch in this fit ({_where(cb)} and "
+                         f"{_where(other)}): use one accumulation callback", 'two-accumulations'))
 
 def check_one_learner(cb:Callback, learn:Learner|None):
     "Raise if `cb` is attached to `learn` while still attached to another `Learner`: its window state belongs to one"
     old = getattr(cb, '_learn', None)
     if learn is not None and old is not None and learn is not old:
-        raise ValueError(f"This {type(cb).__name__} is already attached to another Learner ({type(old).__name__} at {id(old):#x}, "
-                         f"model {type(old.model).__name__}): give each Learner its own {type(cb).__name__}, or `remove_cb` it first")
+        raise ValueError(linked(f"This {type(cb).__name__} is already attached to another Learner ({type(old).__name__} at {id(old):#x}, "
+                         f"model {type(old.model).__name__}): give each Learner its own {type(cb).__name__}, or `remove_cb` it first", 'other-learner'))
 
 # %% ../nbs/plan.ipynb #6fc38641
 class BatchSplitter(Callback):

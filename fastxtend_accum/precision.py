@@ -8,7 +8,7 @@ import warnings
 import torch, torch.distributed as dist
 from torch import nn, Tensor
 from .window import raised_everywhere, scale_grads
-from .messages import warn
+from .messages import warn, linked
 
 # %% auto #0
 __all__ = ['CHUNK', 'SUMMED_IN_16_BITS', 'MANY_MICRO_BATCHES', 'check_accum_dtype', 'summed_in', 'widen_add_', 'all_reduce_mean',
@@ -18,8 +18,8 @@ __all__ = ['CHUNK', 'SUMMED_IN_16_BITS', 'MANY_MICRO_BATCHES', 'check_accum_dtyp
 def check_accum_dtype(accum_dtype)->torch.dtype|None:
     "`accum_dtype` if it is `None`, `torch.float32` or `torch.float64`, else a `ValueError` that names the parameter and the value"
     if accum_dtype is None or accum_dtype in (torch.float32, torch.float64): return accum_dtype
-    raise ValueError(f"`accum_dtype` must be None, torch.float32 or torch.float64 (the dtype a window's gradient is summed in "
-                     f"for parameters held in fewer bits), got {accum_dtype!r}")
+    raise ValueError(linked(f"`accum_dtype` must be None, torch.float32 or torch.float64 (the dtype a window's gradient is summed in "
+                     f"for parameters held in fewer bits), got {accum_dtype!r}", 'arguments'))
 
 def summed_in(p:Tensor, accum_dtype:torch.dtype|None)->bool:
     "Whether `p`'s gradient is summed in `accum_dtype` rather than in `p.grad`: a floating parameter held in fewer bits"
@@ -109,13 +109,13 @@ class FloatGrads:
     def check(self, sync):
         "Raise, before the first micro-batch, where the engine of `sync` (see `distributed`) cannot sum in `accum_dtype`"
         if not self.active: return
-        if sync.sharded: raise raised_everywhere(ValueError(f"{self.who}(accum_dtype={self.accum_dtype}) cannot sum a sharded model's gradients: "
+        if sync.sharded: raise raised_everywhere(ValueError(linked(f"{self.who}(accum_dtype={self.accum_dtype}) cannot sum a sharded model's gradients: "
             f"FSDP accumulates its sharded gradients itself. Hold the model in float32 and shard it with FSDP2's "
             "`fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`, "
-            f"which computes in bfloat16 and sums in float32, or pass `accum_dtype=None`"))
-        if sync.world_size > 1 and sync.grad_sync == 'micro_batch': raise raised_everywhere(ValueError(f"{self.who}(accum_dtype={self.accum_dtype}, "
+            f"which computes in bfloat16 and sums in float32, or pass `accum_dtype=None`", 'accum-dtype')))
+        if sync.world_size > 1 and sync.grad_sync == 'micro_batch': raise raised_everywhere(ValueError(linked(f"{self.who}(accum_dtype={self.accum_dtype}, "
             "grad_sync='micro_batch'): every backward would all-reduce 16-bit gradients, where accum_dtype all-reduces each window's "
-            "sum once, in float32: pass grad_sync='auto', or accum_dtype=None"))
+            "sum once, in float32: pass grad_sync='auto', or accum_dtype=None", 'accum-dtype')))
 
     def reduces(self, sync)->bool:
         "Whether this object averages the window's gradients over the processes of `sync` (then every backward runs without communication)"
@@ -154,6 +154,6 @@ class FloatGrads:
         dt = next(str(p.dtype).removeprefix('torch.') for p in self.model.parameters() if p.is_floating_point() and p.element_size() < 4)
         warn(f"{self.who}(accum_dtype=None) summed a window of {self.n_micro} micro-batch gradients in {dt}, and each addition "
                       f"rounds: {SUMMED_IN_16_BITS} Pass `accum_dtype=torch.float32` to sum windows in float32 (4 bytes per parameter "
-                      "during the window)")
+                      "during the window)", 'accum-dtype')
 
     def __repr__(self): return f'{type(self).__name__}(accum_dtype={self.accum_dtype}, params={len(self.params)})'

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fastai.basics import *
 from fastai.learner import SkipToEpoch
 from .distributed import sharding_engine
+from .messages import linked
 
 # %% auto #0
 __all__ = ['atomic_save', 'ResumeCheckpoint']
@@ -61,8 +62,8 @@ class ResumeCheckpoint(Callback):
         if self.skip or not self.resume or not self.file.exists(): return
         ck = torch.load(self.file, map_location='cpu', weights_only=False)
         if ck['n_epoch'] != self.n_epoch:
-            raise ValueError(f"{self.file} was saved by a fit of {ck['n_epoch']} epochs, and this fit has {self.n_epoch}: its schedule "
-                             f"would differ. Resume with the fit of {ck['n_epoch']} epochs, or pass resume=False (or remove the file)")
+            raise ValueError(linked(f"{self.file} was saved by a fit of {ck['n_epoch']} epochs, and this fit has {self.n_epoch}: its schedule "
+                             f"would differ. Resume with the fit of {ck['n_epoch']} epochs, or pass resume=False (or remove the file)", 'resume'))
         model = _plain(self.model)
         model.load_state_dict(ck['model'])
         if self.opt is not None: self.opt.load_state_dict(to_device(ck['opt'], next(model.parameters()).device))
@@ -79,8 +80,8 @@ class ResumeCheckpoint(Callback):
     def after_epoch(self):
         "Save the checkpoint of the epoch just done (rank 0)"
         if self.skip or self.epoch < self.start or _rank(): return
-        if sharding_engine(self.model) is not None: raise NotImplementedError("ResumeCheckpoint does not save sharded (FSDP) "
-            "models: save them with `learn.save(..., with_opt=True)` (see `sharded`)")
+        if sharding_engine(self.model) is not None: raise NotImplementedError(linked("ResumeCheckpoint does not save sharded (FSDP) "
+            "models: save them with `learn.save(..., with_opt=True)` (see `sharded`)", 'resume'))
         opt = self.opt.state_dict() if self.opt is not None else None
         atomic_save(dict(model=_plain(self.model).state_dict(), opt=opt, shuffle=_shuffle_source(self.dls.train).rng.getstate(),
                          random=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),

@@ -20,6 +20,7 @@ try: # FSDP2 (`fully_shard`), DTensor and the distributed state dicts: PyTorch 2
 except ImportError: FSDPModule = FullyShardedDataParallel = fully_shard = DTensor = None
 from .patches import fastai_method
 from .distributed import _reduce_device, sharding_engine
+from .messages import linked
 
 # %% auto #0
 __all__ = ['ENGINES', 'is_sharded', 'tied_params', 'split_ties', 'shard_blocks', 'FSDP2Layout', 'FSDP1Layout', 'layout_of',
@@ -71,7 +72,7 @@ def shard_blocks(model:nn.Module, # The model to shard
         classes = tuple(L(policy))
         pick = lambda m: isinstance(m, classes)
     elif callable(policy): pick = policy
-    else: raise TypeError(f"`policy` must be None, module classes or a callable (module) -> bool, got {policy!r}")
+    else: raise TypeError(linked(f"`policy` must be None, module classes or a callable (module) -> bool, got {policy!r}", 'policy'))
     blocks,seen = [],set()
     for m in _post_order(model):
         if m is model or id(m) in seen or not pick(m) or not any(True for _ in m.parameters()): continue
@@ -79,10 +80,10 @@ def shard_blocks(model:nn.Module, # The model to shard
     split = split_ties(model, blocks)
     if split and policy is not None:
         path,inside,outside = split[0]
-        raise ValueError(f"`{inside[0]}` and `{outside[0]}` are one parameter (tied weights), and the policy shards `{path}` as a "
+        raise ValueError(linked(f"`{inside[0]}` and `{outside[0]}` are one parameter (tied weights), and the policy shards `{path}` as a "
             f"block of its own without `{outside[0].rpartition('.')[0] or 'the root'}`: FSDP needs every module that holds a "
             "parameter in one block. Pick a block that holds them all, or none of them (they then go with the block around "
-            "them, or the root, as the default policy=None does), or untie them. Nothing was sharded")
+            "them, or the root, as the default policy=None does), or untie them. Nothing was sharded", 'policy'))
     drop = {id(b) for b in blocks if any(b is m for m in _modules_at(model, [p for p,_,_ in split]))}
     return [b for b in blocks if id(b) not in drop] # the default: tied modules join the block around them (or the root)
 
@@ -136,8 +137,8 @@ class FSDP1Layout:
             if h is None: continue
             fp = h.flat_param
             if getattr(fp, '_params', None) is None:
-                raise ValueError("A model sharded with FSDP1 needs `use_orig_params=True`: fastai's optimizers, parameter groups "
-                                 "and callbacks work on the model's own parameters")
+                raise ValueError(linked("A model sharded with FSDP1 needs `use_orig_params=True`: fastai's optimizers, parameter groups "
+                                 "and callbacks work on the model's own parameters", 'fsdp'))
             for p,info,shape in zip(fp._params, fp._shard_param_infos, fp._shapes): self.info[id(p)] = (info, shape, m.process_group)
 
     def params(self)->dict:
@@ -261,13 +262,13 @@ def shard_model(model:nn.Module, # The plain model, left as it is
                )->nn.Module:
     """A sharded copy of `model`: each block `policy` picks sharded on its own, then the root, over every process. The copy
     shares `model`'s weights until sharding cuts them (no second copy is made), on this process's device"""
-    if FSDPModule is None: raise ImportError("Sharded training needs PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`, PyTorch 2.6+)")
-    if engine not in ENGINES: raise ValueError(f"`engine` must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
+    if FSDPModule is None: raise ImportError(linked("Sharded training needs PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`, PyTorch 2.6+)", 'fsdp'))
+    if engine not in ENGINES: raise ValueError(linked(f"`engine` must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}", 'arguments'))
     memo = {id(p): nn.Parameter(p.data, p.requires_grad) for p in model.parameters()} # the same storage, other Parameters
     try: sharded = deepcopy(model, memo)
     except Exception as e:
-        raise RuntimeError(f"Sharded training shards a copy of the model, and {type(model).__name__} cannot be copied ({e}): "
-                           "shard it yourself (fully_shard) before building the Learner") from e
+        raise RuntimeError(linked(f"Sharded training shards a copy of the model, and {type(model).__name__} cannot be copied ({e}): "
+                           "shard it yourself (fully_shard) before building the Learner", 'sharded-ctx')) from e
     blocks,device = shard_blocks(sharded, policy),_reduce_device(None)
     if engine == 'fsdp2':
         kwargs.setdefault('mesh', init_device_mesh(device.type, (dist.get_world_size(),)))
@@ -285,8 +286,8 @@ def check_opt(model:nn.Module, # The model, as the Learner holds it
     from fastai.optimizer import larc_layer_lr, lamb_step
     if sharding_engine(model) != 'fsdp1': return # FSDP2's DTensors reduce norms over the processes
     bad = [cb.__name__ for cb in getattr(opt, 'cbs', []) if cb in (larc_layer_lr, lamb_step)]
-    if bad: raise ValueError(f"The optimizer's {', '.join(bad)} takes each parameter's norm, and FSDP1 holds only a part of it "
-                             "on each process: those norms would be wrong. Shard with FSDP2 (engine='fsdp2') instead")
+    if bad: raise ValueError(linked(f"The optimizer's {', '.join(bad)} takes each parameter's norm, and FSDP1 holds only a part of it "
+                             "on each process: those norms would be wrong. Shard with FSDP2 (engine='fsdp2') instead", 'fsdp'))
 
 # %% ../nbs/sharded.ipynb #bfc6b061
 class ShardedTrainer(Callback):
@@ -298,7 +299,7 @@ class ShardedTrainer(Callback):
         sync_module_states:bool=True, # Start every process from rank 0's weights, as DDP does
         **kwargs # Passed to fully_shard (mesh, mp_policy...) or FullyShardedDataParallel
     ):
-        if engine not in ENGINES: raise ValueError(f"`engine` must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
+        if engine not in ENGINES: raise ValueError(linked(f"`engine` must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}", 'arguments'))
         self.policy,self.engine,self.sync_module_states,self.kwargs = policy,engine,sync_module_states,kwargs
         self.plain = None
 
@@ -326,18 +327,18 @@ class ShardedTrainer(Callback):
 
     def _wrap_dl(self, dl):
         try: from fastai.distributed import DistributedDL # imported when first needed (see `on_import`)
-        except (ImportError, NameError) as e: raise ImportError("Sharing the data out needs fastai.distributed, which needs "
-                                                                "`pip install accelerate` (or fastxtend_accum[distributed])") from e
+        except (ImportError, NameError) as e: raise ImportError(linked("Sharing the data out needs fastai.distributed, which needs "
+                                                                "`pip install accelerate` (or fastxtend_accum[distributed])", 'accelerate')) from e
         return dl if isinstance(dl, DistributedDL) else DistributedDL(dl, device=self.device)
 
     def _shard(self):
         "Shard a copy of the model, and move the optimizer (groups, hyper-parameters, state) onto its shards"
         plain,opt = self.model,self.opt # no optimizer in `learn.validate()`, which runs the fit's events too
-        if opt is not None and isinstance(self.learn.opt_func, OptimWrapper): raise ValueError("`opt_func` is an OptimWrapper "
-            "built on the plain model's parameters: pass a function that builds one, e.g. partial(OptimWrapper, opt=torch.optim.AdamW)")
+        if opt is not None and isinstance(self.learn.opt_func, OptimWrapper): raise ValueError(linked("`opt_func` is an OptimWrapper "
+            "built on the plain model's parameters: pass a function that builds one, e.g. partial(OptimWrapper, opt=torch.optim.AdamW)", 'sharded-ctx'))
         names = {id(p): n for n,p in plain.named_parameters()}
         if opt is not None and not all(id(p) in names for p in opt_params(opt)):
-            raise ValueError("The optimizer holds parameters that are not the model's: they cannot be sharded with it")
+            raise ValueError(linked("The optimizer holds parameters that are not the model's: they cannot be sharded with it", 'sharded-ctx'))
         shard_blocks(plain, self.policy) # tied weights a policy splits: refused before anything changes
         if self.sync_module_states: broadcast_module_(plain)
         model = shard_model(plain, self.policy, self.engine, **self.kwargs)
@@ -556,8 +557,8 @@ def _patch_distributed_trainer(mod):
     @patch_to(DistributedTrainer) # not `@patch`: its annotation would be looked up in this module's globals
     def before_fit(self):
         "fastai's `DistributedTrainer.before_fit`, with a clear error for a model already sharded (DDP would fail to broadcast it)"
-        if is_sharded(self.model): raise ValueError("The model is sharded with FSDP, and `distrib_ctx` would wrap it in DDP: train "
-                                                    "it in `learn.sharded_ctx()`, which shares the data out and keeps the shards")
+        if is_sharded(self.model): raise ValueError(linked("The model is sharded with FSDP, and `distrib_ctx` would wrap it in DDP: train "
+                                                    "it in `learn.sharded_ctx()`, which shares the data out and keeps the shards", 'fsdp'))
         _dt_before_fit(self)
 
 # fastai.distributed imports Accelerate (seconds, and tqdm's "IProgress not found" warning in Jupyter): the library leaves

@@ -8,6 +8,7 @@ import math, numbers
 from collections.abc import Callable
 import torch
 from torch import Tensor
+from .messages import linked
 
 # %% auto #0
 __all__ = ['MAX_SIZE', 'fills', 'check_size', 'WindowPlan', 'Window', 'scale_grads', 'ProcessesDisagree', 'raised_everywhere',
@@ -29,11 +30,11 @@ def check_size(name:str, # The parameter, named in the error
               )->int:
     "`value` if a window can hold that many samples, else a `ValueError` naming the parameter `name`"
     if value > MAX_SIZE:
-        raise ValueError(f"`{name}`={value} is larger than {MAX_SIZE:,} (2**53): windows count samples in float64, exactly only up to it")
+        raise ValueError(linked(f"`{name}`={value} is larger than {MAX_SIZE:,} (2**53): windows count samples in float64, exactly only up to it", 'arguments'))
     for dt in dtypes: # the smallest weight, 1/value, must be a normal number of the model's dtype
         if value*torch.finfo(dt).tiny > 1:
-            raise ValueError(f"`{name}`={value} is too large for a {str(dt).removeprefix('torch.')} model: its micro-batch weights "
-                             f"(about 1/{value}) fall below the dtype's smallest normal number {torch.finfo(dt).tiny:g}")
+            raise ValueError(linked(f"`{name}`={value} is too large for a {str(dt).removeprefix('torch.')} model: its micro-batch weights "
+                             f"(about 1/{value}) fall below the dtype's smallest normal number {torch.finfo(dt).tiny:g}", 'arguments'))
     return value
 
 # %% ../nbs/window.ipynb #c2002447
@@ -181,8 +182,8 @@ def window_totals(w:Window, # The closing window
     held,keys = int(host[0]),host[2:]
     if len(set(keys)) > 1:
         where = ', '.join(f'process {r} at epoch {int(k-1)//2**24} window {int(k-1)%2**24}' for r,k in enumerate(keys))
-        raise ProcessesDisagree(f"The processes closed different windows ({where}): their training loaders yielded different "
-                           "micro-batches, so their steps would differ")
+        raise ProcessesDisagree(linked(f"The processes closed different windows ({where}): their training loaders yielded different "
+                           "micro-batches, so their steps would differ", 'loaders-differ'))
     return v[0],held,v[2]
 
 # %% ../nbs/window.ipynb #27b3c9b9
@@ -315,9 +316,9 @@ def plans_agree(plan:WindowPlan|None, # This process's plan of the epoch
     reduce(v)
     counts,plans = v.tolist()
     if len(set(counts)) > 1:
-        raise ProcessesDisagree(f"The processes' training loaders give different numbers of {unit}, so their windows cannot "
+        raise ProcessesDisagree(linked(f"The processes' training loaders give different numbers of {unit}, so their windows cannot "
                            f"close together and {engine} would wait forever: " +
                            ', '.join(f'process {r} has {n}' for r,n in enumerate(counts)) +
-                           "; share the samples out evenly, e.g. with fastai's DistributedDL or PyTorch's DistributedSampler")
+                           "; share the samples out evenly, e.g. with fastai's DistributedDL or PyTorch's DistributedSampler", 'loaders-differ'))
     if plan is None or len(set(plans)) > 1: return None,True # windows close on the samples counted over all processes
     return plan,read_ahead

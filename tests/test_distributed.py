@@ -5,6 +5,7 @@ import pytest, torch
 from fastai.basics import *
 import ddp_worker as W
 from fastxtend_accum.test_utils import global_order, Replay, digits_default_dls
+from fastxtend_accum.messages import doc_link
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -145,7 +146,7 @@ def test_effective_batch_is_logged_once_by_rank_0(runs):
     expected = ['accum_bs=32 samples per process x 2 processes = 64 samples per optimizer step' if c in ('tokens', 'default_gas')
                 else 'accum_bs=64 samples per process x 2 processes = 128 samples per optimizer step'
                 for c in W.CASES if c not in ('tokens_local', 'uneven_local', 'default_micro')] # MicroBatching says nothing
-    assert lines == expected # one per fit, and none from rank 1
+    assert lines == [f"{l} (see {doc_link('global-bs')})" for l in expected] # one per fit, none from rank 1; with its link
 
 def test_windows_that_cannot_line_up_raise_instead_of_hanging(runs):
     "Loaders of 10 and 9 micro-batches: DDP would wait forever for an all-reduce; both processes raise at `before_train`"

@@ -135,10 +135,11 @@ def test_a_model_not_trained_over_every_process_raises(runs):
 def test_rank_0_prints_the_global_batch_once(runs):
     _,out = runs
     lines = [l for l in out.splitlines() if 'samples per optimizer step' in l]
-    g = lambda name,bs: f'{name}: accum_bs={bs} samples per optimizer step (global_bs=True) = {bs//2} samples per process x 2 processes'
+    link = f" (see {doc_link('global-bs')})"
+    g = lambda name,bs: f'{name}: accum_bs={bs} samples per optimizer step (global_bs=True) = {bs//2} samples per process x 2 processes{link}'
     GA,GAS = 'GradientAccumulation','GradientAccumulationSchedule'
     assert lines == [g(GA, 128), g(GAS, 256), g(GA, 128), g(GAS, 256), g(GAS, 256), g(GA, 100), g(GAS, 100),
-                     f'{GA}: accum_bs=64 samples per process x 2 processes = 128 samples per optimizer step'] # ga_off
+                     f'{GA}: accum_bs=64 samples per process x 2 processes = 128 samples per optimizer step{link}'] # ga_off
 
 def logged(res, case, world):
     r = res[case][world][0]

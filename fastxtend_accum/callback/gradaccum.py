@@ -15,7 +15,7 @@ from ..patches import *
 from ..normalize import *
 from ..distributed import *
 from ..precision import FloatGrads
-from ..messages import warn, batchnorm_message, small_accum_message
+from ..messages import warn, batchnorm_message, small_accum_message, linked
 
 # %% auto #0
 __all__ = ['GradientAccumulation']
@@ -72,8 +72,8 @@ class GradientAccumulation(BatchSplitter):
         r.i_window,r.skipped_tail = -1,False
         try: empty = len(self.dl) == 0
         except TypeError: empty = False
-        if empty: raise ValueError(f"The training loader (`dls.train`) yields no micro-batch: {type(self).__name__} has nothing to "
-                                   "accumulate (an empty training set, or fewer samples than one batch with `drop_last=True`)")
+        if empty: raise ValueError(linked(f"The training loader (`dls.train`) yields no micro-batch: {type(self).__name__} has nothing to "
+                                   "accumulate (an empty training set, or fewer samples than one batch with `drop_last=True`)", 'empty'))
         self._setup_sync()
         if r.plan is None: self._warn_once('noplan', "The training loader's micro-batch sizes are not known ahead: windows "
             "stay exact, but training progress (the hyper-parameter schedule) is counted in micro-batches, not optimizer steps")
@@ -194,8 +194,8 @@ class GradientAccumulation(BatchSplitter):
             c,m = r.sync.sum(r.mb_items, n)
             r.rate = c/m # items per sample over all processes: the first window's rho, the same everywhere
         if r.plan is not None and n != r.plan.sizes[learn.iter] and not r.count_globally:
-            if r.sync.world_size > 1: raise RuntimeError(f"Process {r.sync.rank}'s training loader yielded a micro-batch of {n} "
-                f"samples where its plan expected {r.plan.sizes[learn.iter]}: the processes' windows could differ")
+            if r.sync.world_size > 1: raise RuntimeError(linked(f"Process {r.sync.rank}'s training loader yielded a micro-batch of {n} "
+                f"samples where its plan expected {r.plan.sizes[learn.iter]}: the processes' windows could differ", 'plan'))
             self._warn_once('plan', f"The training loader yielded a micro-batch of {n} samples where {r.plan.sizes[learn.iter]} "
                             "were expected: windows stay exact, but progress is now counted in micro-batches")
             r.plan = None
@@ -224,9 +224,9 @@ class GradientAccumulation(BatchSplitter):
         r = self.windows
         off = r.plan is not None and n != r.plan.sizes[self.iter]
         tot,n_off = r.sync.sum(n, off).tolist()
-        if n_off: raise ProcessesDisagree(f"{int(n_off)} of the {r.sync.world_size} processes' training loaders yielded a micro-batch "
+        if n_off: raise ProcessesDisagree(linked(f"{int(n_off)} of the {r.sync.world_size} processes' training loaders yielded a micro-batch "
             f"their plan did not expect (process {r.sync.rank}: {n} samples, planned {r.plan.sizes[self.iter]}), so their windows "
-            "would differ: their batch samplers do not give the sizes a copy of them gave")
+            "would differ: their batch samplers do not give the sizes a copy of them gave", 'plan'))
         r.n_global += int(tot)
         if r.plan is not None: return fills(r.window.seen + n, r.window_bs)
         return fills(r.n_global, r.window_gbs)
@@ -317,15 +317,15 @@ class GradientAccumulation(BatchSplitter):
         if r.sync.model is not self.model:
             r.sync,n = window_sync(self.model, self.grad_sync),r.world_size
             if self.global_bs and r.sync.world_size != n: # sizes were planned for `n` processes since `before_fit`
-                raise raised_everywhere(ValueError(f"`global_bs=True` shares accum_bs={self.accum_bs} over the {n} processes of torch.distributed's "
+                raise raised_everywhere(ValueError(linked(f"`global_bs=True` shares accum_bs={self.accum_bs} over the {n} processes of torch.distributed's "
                     f"default process group, but the model ({type(self.model).__name__}) trains on {r.sync.world_size}: wrap it "
-                    "for distributed training over every process (fastai's `distrib_ctx`), or pass `global_bs=False`"))
+                    "for distributed training over every process (fastai's `distrib_ctx`), or pass `global_bs=False`", 'global-bs-group')))
             r.world_size = n = r.sync.world_size
             if n > 1 and r.sync.rank == 0:
-                if self.global_bs: print(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per optimizer step (global_bs=True) = "
-                                         f"{self.windows.per_process(self.accum_bs)} samples per process x {n} processes")
-                else: print(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "
-                            f"{self.accum_bs*n} samples per optimizer step")
+                if self.global_bs: print(linked(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per optimizer step (global_bs=True) = "
+                                         f"{self.windows.per_process(self.accum_bs)} samples per process x {n} processes", 'global-bs'))
+                else: print(linked(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "
+                            f"{self.accum_bs*n} samples per optimizer step", 'global-bs'))
         r.fgrads.check(r.sync)
         if r.sync.world_size == 1: r.count_globally = False; return
         # processes whose plans differ close windows on the global count; a plan read ahead is checked on every micro-batch

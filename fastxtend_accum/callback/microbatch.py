@@ -14,7 +14,7 @@ from ..patches import *
 from ..normalize import *
 from ..distributed import WindowSync, window_sync, check_grad_sync, split_loader
 from ..precision import FloatGrads
-from ..messages import warn, batchnorm_message
+from ..messages import warn, batchnorm_message, linked
 
 # %% auto #0
 __all__ = ['split_sizes', 'next_micro_bs', 'slice_batch', 'MixSplit', 'RowStates', 'MicroBatching']
@@ -100,9 +100,9 @@ class RowStates:
         passes = (nn.parallel.DistributedDataParallel, nn.DataParallel,
                   *(c for c in map(_fastai_text, ('SequentialRNN', 'SentenceEncoder')) if c is not None))
         other = [m for m in model.modules() if callable(getattr(m, 'reset', None)) and id(m) not in inside and not isinstance(m, passes)]
-        if other: raise ValueError(f"MicroBatching cannot split the batch of a model whose {type(other[0]).__name__} has `reset`: "
+        if other: raise ValueError(linked(f"MicroBatching cannot split the batch of a model whose {type(other[0]).__name__} has `reset`: "
             "it carries a state from batch to batch, row by row, that MicroBatching only knows how to split for fastai's AWD_LSTM. "
-            "Use GradientAccumulation instead (each micro-batch from the loader carries its own rows' state), or a batch that fits whole")
+            "Use GradientAccumulation instead (each micro-batch from the loader carries its own rows' state), or a batch that fits whole", 'microbatch-reset'))
         return awd
 
     @classmethod
@@ -143,7 +143,7 @@ class MicroBatching(BatchSplitter):
     ):
         if not (isinstance(micro_bs, str) and micro_bs in ('auto', 'fastest')):
             try: micro_bs = check_positive_int('micro_bs', micro_bs)
-            except ValueError: raise ValueError(f"`micro_bs` must be a positive integer, 'auto' or 'fastest', got {micro_bs!r}") from None
+            except ValueError: raise ValueError(linked(f"`micro_bs` must be a positive integer, 'auto' or 'fastest', got {micro_bs!r}", 'arguments')) from None
         self.micro_bs,self.normalize_by,self.counter = micro_bs,normalize_by,item_counter(normalize_by)
         self.n_timed,self.n_candidates = check_positive_int('n_timed', n_timed),check_positive_int('n_candidates', n_candidates)
         self.keep_pred,self.verbose = check_bool('keep_pred', keep_pred),check_bool('verbose', verbose)
@@ -166,8 +166,8 @@ class MicroBatching(BatchSplitter):
         self._mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
         if self.sync.model is not self.learn.model: self.sync = window_sync(self.learn.model, self.grad_sync)
         if self.sync.sharded and not isinstance(self.micro_bs, int): # an OOM mid-forward would leave the others in an all-gather
-            raise raised_everywhere(ValueError(f"MicroBatching(micro_bs={self.micro_bs!r}) cannot search for a size on a "
-                                               f"sharded model ({type(self.learn.model).__name__}): pass the micro-batch size, e.g. `micro_bs=8`"))
+            raise raised_everywhere(ValueError(linked(f"MicroBatching(micro_bs={self.micro_bs!r}) cannot search for a size on a "
+                                               f"sharded model ({type(self.learn.model).__name__}): pass the micro-batch size, e.g. `micro_bs=8`", 'microbatch-sharded')))
         if self.sync.world_size > 1: # a process with more batches than the others would step alone, and wait forever
             try: n = len(self.dl)
             except TypeError: n = None # a loader that cannot tell: its batches are counted as they come
@@ -349,8 +349,8 @@ class MicroBatching(BatchSplitter):
         "After an out-of-memory error: the next smaller size, remembered for the rest of the fit"
         self.ooms.append((self.epoch, self.iter, n, failed))
         if not self._next:
-            raise torch.OutOfMemoryError(f"MicroBatching: a training batch of {n} samples does not fit in memory even in "
-                                         f"micro-batches of 1 sample (micro_bs={self.micro_bs!r})") from None
+            raise torch.OutOfMemoryError(linked(f"MicroBatching: a training batch of {n} samples does not fit in memory even in "
+                                         f"micro-batches of 1 sample (micro_bs={self.micro_bs!r})", 'microbatching')) from None
         self._say(f"out of memory with micro-batches of {failed}: retrying the batch of {n} with {self._next}")
         self.limit = self._next
         if self.micro_bs == 'fastest': # timings of sizes that no longer fit go, and the search restarts below them
@@ -401,7 +401,7 @@ class MicroBatching(BatchSplitter):
         return self.timer()
 
     def _say(self, msg):
-        if self.verbose and rank_distrib() == 0: print(f"MicroBatching({self.micro_bs!r}): {msg}")
+        if self.verbose and rank_distrib() == 0: print(linked(f"MicroBatching({self.micro_bs!r}): {msg}", 'microbatching'))
 
     def _check_bn(self):
         if self._warned: return

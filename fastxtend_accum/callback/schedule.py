@@ -10,6 +10,7 @@ from fastai.callback.schedule import ParamScheduler,SchedCos,SchedLin,SchedExp,S
 from ..window import *
 from ..plan import *
 from .gradaccum import *
+from ..messages import linked
 
 # %% auto #0
 __all__ = ['GradientAccumulationSchedule']
@@ -18,12 +19,12 @@ __all__ = ['GradientAccumulationSchedule']
 def _check_point(name:str, value)->float|int:
     "`value` as a training position: an `int` epoch index or a `float` fraction of training"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"`{name}` must be a float (fraction of training) or an int (epoch index), got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value): raise ValueError(f"`{name}` must be a finite training position, got {value!r}")
-    if value < 0: raise ValueError(f"`{name}` must not be negative, got {value!r}")
+        raise ValueError(linked(f"`{name}` must be a float (fraction of training) or an int (epoch index), got {value!r} ({type(value).__name__})", 'start-finish'))
+    if not math.isfinite(value): raise ValueError(linked(f"`{name}` must be a finite training position, got {value!r}", 'start-finish'))
+    if value < 0: raise ValueError(linked(f"`{name}` must not be negative, got {value!r}", 'start-finish'))
     if isinstance(value, numbers.Integral): return int(value)
-    if value > 1: raise ValueError(f"`{name}`={value!r} is beyond training: as a float it is a fraction of training, at most 1.0 "
-                                   f"(pass an int for an epoch index)")
+    if value > 1: raise ValueError(linked(f"`{name}`={value!r} is beyond training: as a float it is a fraction of training, at most 1.0 "
+                                   f"(pass an int for an epoch index)", 'start-finish'))
     return float(value)
 
 # %% ../../nbs/callback.schedule.ipynb #c145bed5
@@ -37,8 +38,8 @@ def _check_sched_value(schedule, pct:float, v)->float:
     "The size `schedule` gave at progress `pct`, or a `ValueError` that names the schedule and the value"
     if isinstance(v, Tensor) and v.numel() == 1: v = v.item()
     if isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v) and v > 0: return float(v)
-    raise ValueError(f"`schedule`={getattr(schedule, '__name__', schedule)!r} gave {v!r} at {pct:g} of the schedule: "
-                     "an accumulation size must be a finite, positive number")
+    raise ValueError(linked(f"`schedule`={getattr(schedule, '__name__', schedule)!r} gave {v!r} at {pct:g} of the schedule: "
+                     "an accumulation size must be a finite, positive number", 'schedule'))
 
 # %% ../../nbs/callback.schedule.ipynb #8944b307
 class GradientAccumulationSchedule(GradientAccumulation):
@@ -58,11 +59,11 @@ class GradientAccumulationSchedule(GradientAccumulation):
         if micro_batch_size is not None: micro_batch_size = check_positive_int('micro_batch_size', micro_batch_size)
         start,finish = _check_point('start', start),_check_point('finish', finish)
         if type(start) == type(finish) and start > finish:
-            raise ValueError(f"`start`={start!r} is after `finish`={finish!r}: the schedule must start before it finishes")
-        if not callable(schedule): raise ValueError(f"`schedule` must be a fastai annealer such as `SchedCos`, got {schedule!r}")
+            raise ValueError(linked(f"`start`={start!r} is after `finish`={finish!r}: the schedule must start before it finishes", 'start-finish'))
+        if not callable(schedule): raise ValueError(linked(f"`schedule` must be a fastai annealer such as `SchedCos`, got {schedule!r}", 'schedule'))
         try: sched = schedule(start_accum_bs, final_accum_bs)
         except TypeError as e:
-            raise ValueError(f"`schedule` must be called as `schedule(start, end)`, like `SchedCos`: {schedule!r} raised {e}") from None
+            raise ValueError(linked(f"`schedule` must be called as `schedule(start, end)`, like `SchedCos`: {schedule!r} raised {e}", 'schedule')) from None
         for p in (0., 0.5, 1.): _check_sched_value(schedule, p, sched(p)) # a bad size now, not mid-fit
         super().__init__(start_accum_bs, **kwargs)
         store_attr('start_accum_bs,final_accum_bs,start,finish,schedule,micro_batch_size')
@@ -75,11 +76,11 @@ class GradientAccumulationSchedule(GradientAccumulation):
         if hasattr(self.learn, 'lr_finder'): self.pct_start = self.pct_finish = math.inf # `lr_find`: its epochs are not training's
         else: self.pct_start,self.pct_finish = self._pct_of('start', self.start),self._pct_of('finish', self.finish)
         if self.pct_start > self.pct_finish:
-            raise ValueError(f"`start`={self.start!r} is after `finish`={self.finish!r} in a fit of {self.n_epoch} epochs "
-                             f"(at {self.pct_start:g} and {self.pct_finish:g} of training)")
+            raise ValueError(linked(f"`start`={self.start!r} is after `finish`={self.finish!r} in a fit of {self.n_epoch} epochs "
+                             f"(at {self.pct_start:g} and {self.pct_finish:g} of training)", 'start-finish'))
         bs = _loader_bs(self.dls.train)
         if self.micro_batch_size is not None and bs is not None and bs != self.micro_batch_size:
-            raise ValueError(f"`micro_batch_size`={self.micro_batch_size} but the training loader yields micro-batches of {bs}")
+            raise ValueError(linked(f"`micro_batch_size`={self.micro_batch_size} but the training loader yields micro-batches of {bs}", 'micro_batch_size'))
         self.micro_bs = self.micro_batch_size or bs
         if self.micro_bs is not None: self._check_sizes()
         self.accum_bss = []
@@ -150,8 +151,8 @@ class GradientAccumulationSchedule(GradientAccumulation):
         unit = f"the micro-batch size {m}" + (f" x {R} processes = {u} (global_bs=True)" if u != m else '')
         for name in ('start_accum_bs', 'final_accum_bs'):
             v = getattr(self, name)
-            if v < u: raise ValueError(f"`{name}`={v} is below {unit}: a window holds at least one micro-batch"
-                                       + (' on each process' if u != m else ''))
+            if v < u: raise ValueError(linked(f"`{name}`={v} is below {unit}: a window holds at least one micro-batch"
+                                       + (' on each process' if u != m else ''), 'start_accum_bs'))
             if v % u:
                 held = u*math.ceil(v/u)
                 self._warn_once(name, f"`{name}`={v} is not a multiple of {unit}: its windows hold {held} samples"
