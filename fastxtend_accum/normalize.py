@@ -154,15 +154,18 @@ class AutoNormalize:
         verbose:bool=True, # Print what 'auto' counts when it is not samples
     ):
         store_attr()
-        self.pending,self.said,self.warned,self.read = True,set(),set(),set()
+        self.pending,self.said,self.warned,self.last = True,set(),set(),None
 
     def counter(self, loss_func, xb:tuple, yb:tuple):
         "The counter for `loss_func`, read at an epoch's first micro-batch `(xb, yb)`, whose targets tell what to say"
         self.pending = False
+        # the loss read at an earlier epoch, unchanged: its counter, made and checked once (its class weights, the targets
+        # read for what to say: host syncs), none at later epochs and fits
+        d = loss_denominator(loss_func)
+        key = loss_func,loss_reduction(loss_func),None if d is None else (id(d[0]), d[1])
+        if self.last is not None and self.last[0] is key[0] and self.last[1:3] == key[1:]: return self.last[3]
         c = auto_counter(loss_func)
-        # the targets are read (one sync) once per callback, counter and loss: none at later epochs and fits
-        if (key := (repr(c), _loss_name(loss_func))) in self.read: return c
-        self.read.add(key)
+        self.last = *key,c
         if type(c) is SampleCount: self._watch(loss_func, yb)
         elif repr(c) not in self.said and (type(c) in (WeightedTargetCount, LossSum) or float(c(xb, yb)) != find_bs(yb)):
             self.said.add(repr(c))
