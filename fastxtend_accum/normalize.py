@@ -163,11 +163,10 @@ class AutoNormalize:
         # read for what to say: host syncs), none at later epochs and fits
         d = loss_denominator(loss_func)
         key = loss_func,loss_reduction(loss_func),None if d is None else (id(d[0]), d[1])
-        if self.last is not None and self.last[0] is key[0] and self.last[1:3] == key[1:]: return self.last[3]
-        c = auto_counter(loss_func)
-        self.last = *key,c
-        if type(c) is SampleCount: self._watch(loss_func, yb)
-        elif repr(c) not in self.said and (type(c) in (WeightedTargetCount, LossSum) or float(c(xb, yb)) != find_bs(yb)):
+        if not (new := self.last is None or self.last[0] is not key[0] or self.last[1:3] != key[1:]): c = self.last[3]
+        else: c = auto_counter(loss_func); self.last = *key,c
+        if type(c) is SampleCount: self._watch(loss_func, yb) # a loss it cannot read: its targets, each epoch until it warns
+        elif new and repr(c) not in self.said and (type(c) in (WeightedTargetCount, LossSum) or float(c(xb, yb)) != find_bs(yb)):
             self.said.add(repr(c))
             if type(c) is LossSum: what = "a loss that sums its terms (reduction='sum'): each micro-batch's loss is added as it is,"
             else: what = 'what {} averages over, {} ignore_index={}:'.format(_loss_name(loss_func), 'the targets that are not'
