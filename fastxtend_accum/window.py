@@ -126,7 +126,9 @@ class Window:
         c,l = torch.stack([o[0] for o in self.counted]),torch.stack([o[1] for o in self.counted])
         self.counted = []
         # a micro-batch with no items (all padding, zero class weights) has a NaN mean loss: it adds nothing
-        self.items,self.loss_sum = self.items + c.sum(),self.loss_sum + torch.where(c > 0, l*c, 0.).sum()
+        items,loss_sum = c.sum(),torch.where(c > 0, l*c, 0.).sum()
+        if isinstance(self.items, Tensor) or self.items: items,loss_sum = self.items+items,self.loss_sum+loss_sum
+        self.items,self.loss_sum = items,loss_sum
 
     def scale(self,
               world_size:int, # Processes whose engine averages the gradients
@@ -136,7 +138,7 @@ class Window:
         # sum_i (c_i/rho) grad_i, averaged over R processes, times R*rho/C = sum_i (c_i/C) grad_i (the derivation above)
         if self.sum_reduced: return None if world_size == 1 else world_size
         self.settle()
-        c,f = self.items if items is None else items,world_size*self.ref
+        c,f = self.items if items is None else items,self.ref if world_size == 1 else world_size*self.ref
         if isinstance(c, Tensor): return f/torch.where(c > 0, c, f) # a window of padding only has zero gradients anyway
         return None if c == f else f/c
 
@@ -204,7 +206,7 @@ def window_ref(target:int, # Samples expected in the window
                rate=None, # Items per sample over all processes (several processes), else None
               ):
     "rho: the items a window of `target` samples is expected to hold; any value is exact if the whole window uses it"
-    if rate is None: rate = items/samples
+    if rate is None: return (items*(target/samples)).clamp(min=1) if isinstance(items, Tensor) else max(items*target/samples, 1)
     return (rate*target).clamp(min=1) if isinstance(rate, Tensor) else max(rate*target, 1)
 
 class Windows:
