@@ -507,7 +507,9 @@ def report(res:dict)->tuple[str,str]:
                 f"(one step), resident-set increase over the epoch, {me['reps']} forked process(es) per peer", '',
                 md_table(['way to train', 'peak increase MB, median [min, max]', 'x PyTorch loop without accumulation'], rows), '']
     if res.get('skipped'): out += ['Skipped: ' + '; '.join(f'{k} ({v})' for k,v in res['skipped'].items()), '']
-    md = '## Peers\n\n' + f"Machine: {describe(res['machine'])}\n\n" + '\n'.join(out)
+    title = 'Peers' if res.get('name', 'peers') == 'peers' else f"Peers: {res['name']}"
+    note = f"{res['note']}\n\n" if res.get('note') else ''
+    md = f'## {title}\n\n' + note + f"Machine: {describe(res['machine'])}\n\n" + '\n'.join(out)
     return '\n'.join(out),md
 
 def main(argv=None):
@@ -517,12 +519,15 @@ def main(argv=None):
     p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 1: short fits interleaved follow the load more closely)')
     p.add_argument('--parts', default='time,syncs,exact,memory')
     p.add_argument('--out', type=Path, default=RESULTS)
+    p.add_argument('--name', default='peers', help="the results' file name (<name>.json, .md) and section title: a partial run "
+                   "written beside the full one")
+    p.add_argument('--note', default='', help="a sentence under the section's title (what this run is)")
     a = p.parse_args(argv)
     set_threads(1)
     warnings.filterwarnings('ignore')
     start = time.perf_counter()
     res = dict(benchmark='peers', machine=machine(), versions=versions(), config=dict(threads=1, quick=a.quick, n_train=N_TRAIN,
-               micro_bs=MICRO_BS, accum_bs=ACCUM_BS), skipped={})
+               micro_bs=MICRO_BS, accum_bs=ACCUM_BS), skipped={}, name=a.name, note=a.note)
     parts = a.parts.split(',')
     if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 15), a.epochs or 1, res['skipped'])
     if 'syncs' in parts: res['syncs'] = bench_syncs(res['skipped'])
@@ -533,7 +538,7 @@ def main(argv=None):
     res['seconds'] = time.perf_counter()-start
     text,md = report(res)
     print(text)
-    path = write_results('peers', res, md, a.out)
+    path = write_results(a.name, res, md, a.out)
     print(f"wrote {path} and {path.with_suffix('.md')} ({res['seconds']:.0f} s)")
 
 if __name__ == '__main__': main()

@@ -278,7 +278,8 @@ class MicroBatching(BatchSplitter):
         if sync.world_size > 1: # the next batch's rho: the same on every process (samples: known on the host)
             self.rho = (held if isinstance(self.counter, SampleCount) else c)/sync.world_size
             learn.loss = w.loss(c, l).to(learn.loss) # the loss of the global batch (every process's samples)
-        scale = w.scale(sync.world_size, c)
+        # one process: the weights c_i/C sum to 1 (a batch of no items: zero gradients), nothing to correct
+        scale = w.scale(sync.world_size, c) if sync.world_size > 1 else None
         # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
         if not self.fgrads.to_grads(scale, sync) and scale is not None:
             scale_grads([p.grad for p in learn.model.parameters() if p.grad is not None], scale)
