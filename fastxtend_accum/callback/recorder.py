@@ -13,7 +13,9 @@ __all__ = ['DeviceSmoothLoss', 'DeviceAvgLoss', 'RecordOnDevice']
 class DeviceSmoothLoss(AvgSmoothLoss):
     "fastai's smoothed training loss, kept on the loss's device: recording it makes no host sync"
     host = None # (count, value): the value read to the host at the epoch's end
-    def reset(self): super().reset(); self.host = None
+    def reset(self):
+        "fastai's reset, and the value read to the host forgotten"
+        super().reset(); self.host = None
     def accumulate(self, learn):
         "fastai's `torch.lerp` of the loss (gathered over processes), on the device"
         self.count += 1
