@@ -38,13 +38,16 @@ class DeviceAvgLoss(AvgLoss):
 class RecordOnDevice(Callback):
     "Keep the Recorder's losses on the device while an epoch trains and read them to the host once, at its end: no sync per step"
     order = Recorder.order-1 # before the Recorder: it swaps the losses in before `before_fit`, reads them before `after_train`
+    def __init__(self): super().__init__() # no parameters: `RecordOnDevice()`
     def before_fit(self):
         "The Recorder's losses on the device for this fit"
         rec = getattr(self.learn, 'recorder', None)
         self.rec = rec
         if rec is None: return
         self.fastai = rec.smooth_loss,rec.loss
-        rec.smooth_loss,rec.loss,self.start = DeviceSmoothLoss(rec.smooth_loss.beta),DeviceAvgLoss(),len(getattr(rec, 'losses', []))
+        # `vars`: the Recorder's `loss` has the Learner's name, which `Callback.__setattr__` warns about
+        vars(rec).update(smooth_loss=DeviceSmoothLoss(rec.smooth_loss.beta), loss=DeviceAvgLoss())
+        self.start = len(getattr(rec, 'losses', []))
     def before_train(self):
         "Where this epoch's records start"
         if self.rec is not None: self.start = len(self.rec.losses)
@@ -61,4 +64,4 @@ class RecordOnDevice(Callback):
         "fastai's own losses back on the Recorder"
         if self.rec is None: return
         self.after_train()
-        self.rec.smooth_loss,self.rec.loss = self.fastai
+        vars(self.rec).update(zip(('smooth_loss', 'loss'), self.fastai))
