@@ -18,6 +18,7 @@ fastai's `Adam` (what each framework's users get). Four measures:
 2. **Host syncs per optimizer step** (`syncs.SyncCounter`: `.item()`, `bool()`, `.cpu()`, `.tolist()`... of tensors that
    would be on the GPU; the loaders' host work and `torch.optim`'s host step counts left out), over one epoch, with the
    logging each peer does by default, and the variants that change it.
+   **ATen ops per micro-batch** (`--parts ops`): every op of a 1-epoch fit, 'auto' against 'samples' (load-independent).
 3. **Exactness**: each peer in float64 under a one-cycle schedule against the large batch of its own framework (fastai's
    `fit_one_cycle` with batches of 128 for the fastai rows; PyTorch's `OneCycleLR` stepped per optimizer step with batches
    of 128 for the PyTorch and Accelerate loops, and in Lightning without accumulation for Lightning): the largest parameter difference after 2 epochs, and whether
@@ -377,6 +378,34 @@ def bench_syncs(skipped)->dict:
     s.n_epoch = 1
     return res
 
+# --- 2b. ATen ops per micro-batch: what 'auto' runs on the device beyond 'samples', whatever the machine's load ---
+
+OPS_PAIRS = [(GA_AUTO, GA_SAMPLES), (SCHED, SCHED_SAMPLES), (MICRO, MICRO_SAMPLES)]
+
+def bench_ops(skipped)->dict:
+    "ATen ops of a 1-epoch fit (after a warm-up fit), per micro-batch, counted with a `TorchDispatchMode`: 'auto' against 'samples'"
+    from collections import Counter
+    from torch.utils._python_dispatch import TorchDispatchMode
+    class Ops(TorchDispatchMode):
+        def __init__(self): super().__init__(); self.n = Counter()
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[func.__name__] += 1
+            return func(*args, **(kwargs or {}))
+    s = Setup(n_epoch=1)
+    runs = build([n for pair in OPS_PAIRS for n in pair], s, skipped)
+    n_mb,res = len(s.samples)//s.micro_bs,{}
+    for a,b in OPS_PAIRS:
+        if a not in runs or b not in runs: continue
+        counts = {}
+        for k in (a, b):
+            runs[k].fit()
+            with Ops() as o: runs[k].fit()
+            counts[k] = o.n
+        d = counts[a].copy(); d.subtract(counts[b])
+        res[f'{a} / {b}'] = dict(auto=sum(counts[a].values())/n_mb, samples=sum(counts[b].values())/n_mb,
+                                 extra={k: v/n_mb for k,v in sorted(d.items()) if v})
+    return res
+
 # --- 3. exactness ---
 
 def max_diff(a, b)->float: return max((p-q).abs().max().item() for p,q in zip(a.parameters(), b.parameters()))
@@ -493,6 +522,16 @@ def report(res:dict)->tuple[str,str]:
                 "GPU (`bench/syncs.py`); the loaders' work and `torch.optim`'s host step counts are left out. Where: the most "
                 "frequent sites in the 2-epoch fit.", '',
                 md_table(['way to train', 'per step', 'per micro-batch', 'per fit', 'kinds, per step', 'where (most frequent)'], rows), '']
+    op = res.get('ops')
+    if op:
+        rows = [[k, f"{v['auto']:.2f}", f"{v['samples']:.2f}", f"{v['auto']-v['samples']:+.2f}",
+                 ', '.join(f'{n:+.2f} {name}' for name,n in v['extra'].items())] for k,v in op.items()]
+        out += ["### ATen ops per micro-batch: 'auto' against 'samples'", '',
+                "Every ATen op of a 1-epoch fit (forward, loss, backward, optimizer, the library's bookkeeping), counted with a "
+                "`TorchDispatchMode` and divided by the micro-batches: what 'auto' (counting the non-ignored targets on the "
+                "device, weighting each micro-batch by them, scaling the step) runs beyond 'samples'. Unlike a time, it does not "
+                "depend on the machine's load.", '',
+                md_table(['callbacks', "'auto'", "'samples'", 'extra', 'extra ops, per micro-batch'], rows), '']
     ex = res.get('exact')
     if ex:
         rows = [[k, v.get('reference', '-'), f"{v['max_param_diff']:.1e}" if 'max_param_diff' in v else v.get('error'),
@@ -517,7 +556,7 @@ def main(argv=None):
     p.add_argument('--quick', action='store_true', help='a smoke test: 2 repetitions of 1 epoch, one memory repetition')
     p.add_argument('--reps', type=int, default=None, help='timed repetitions (default 15, quick 2)')
     p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 1: short fits interleaved follow the load more closely)')
-    p.add_argument('--parts', default='time,syncs,exact,memory')
+    p.add_argument('--parts', default='time,syncs,ops,exact,memory')
     p.add_argument('--out', type=Path, default=RESULTS)
     p.add_argument('--name', default='peers', help="the results' file name (<name>.json, .md) and section title: a partial run "
                    "written beside the full one")
@@ -531,6 +570,7 @@ def main(argv=None):
     parts = a.parts.split(',')
     if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 15), a.epochs or 1, res['skipped'])
     if 'syncs' in parts: res['syncs'] = bench_syncs(res['skipped'])
+    if 'ops' in parts: res['ops'] = bench_ops(res['skipped'])
     if 'exact' in parts: res['exact'] = bench_exact(res['skipped'], n_epoch=1 if a.quick else 2)
     if 'memory' in parts: res['memory'] = bench_memory(res['skipped'], reps=1 if a.quick else 2)
     if 'time' in res: res['models'] = {'mlp': dict(ratios=[r for r in res['time']['targets'] if r['target'] is not None])} # run.py's summary
