@@ -249,7 +249,7 @@ class MicroBatching(BatchSplitter):
         # one process, one micro-batch: fastai's loss as it is; else the batch is a window (see `window`)
         w = Window(n, getattr(self.counter, 'reduction', 'mean') == 'sum') if k > 1 or self.sync.world_size > 1 else None
         counts = self._counts(mbs, sizes) if w is not None else [None]
-        if w is not None and not w.sum_reduced: w.ref = self._ref(sum(counts))
+        if w is not None and not w.sum_reduced: w.ref = self._ref(sum(counts[1:], counts[0]))
         if k > 1: self._check_bn()
         rows = self._row_states(n) if k > 1 else None # a recurrent model's state, handed to each micro-batch's rows
         mix = MixSplit(learn, n) if k > 1 else None
@@ -263,7 +263,7 @@ class MicroBatching(BatchSplitter):
     def _ref(self, items):
         "rho, what the micro-batches' weights c_i/rho divide by: the batch's items on one process; the same on every process"
         if self.sync.world_size == 1: # the weights c_i/C: nothing to correct at the step (a batch of no items: zero weights)
-            return torch.where(items > 0, items, 1.) if isinstance(items, Tensor) else items
+            return items.clamp(min=1e-300) if isinstance(items, Tensor) else items
         if self.rho is None: # the fit's first batch (samples: on the host, one sync a fit)
             s = self.sync.sum(items)[0]
             self.rho = (s if isinstance(items, Tensor) else s.item())/self.sync.world_size
