@@ -1,4 +1,6 @@
-"The host-sync counter of `bench/syncs.py` counts what it says: a known sync per step is seen, a loop without one shows 0"
+"""The host-sync counter of `bench/syncs.py` counts what it says: a known sync per step is seen, a loop without one shows 0.
+Then the library's own: every callback x normalize_by makes no sync of its own (fastai's Recorder's one a step is all), and
+`RecordOnDevice` leaves one an epoch."""
 import sys
 from pathlib import Path
 import pytest, torch
