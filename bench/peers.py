@@ -18,6 +18,7 @@ fastai's `Adam` (what each framework's users get). Four measures:
 2. **Host syncs per optimizer step** (`syncs.SyncCounter`: `.item()`, `bool()`, `.cpu()`, `.tolist()`... of tensors that
    would be on the GPU; the loaders' host work and `torch.optim`'s host step counts left out), over one epoch, with the
    logging each peer does by default, and the variants that change it.
+   **ATen ops per micro-batch** (`--parts ops`): every op of a 1-epoch fit, 'auto' against 'samples' (load-independent).
 3. **Exactness**: each peer in float64 under a one-cycle schedule against the large batch of its own framework (fastai's
    `fit_one_cycle` with batches of 128 for the fastai rows; PyTorch's `OneCycleLR` stepped per optimizer step with batches
    of 128 for the PyTorch and Accelerate loops, and in Lightning without accumulation for Lightning): the largest parameter difference after 2 epochs, and whether
@@ -59,6 +60,10 @@ SCHED_NOLOG = 'GradientAccumulationSchedule(128, 128, log_accum_batch=False)'
 SCHED_SAMPLES_NOLOG = "GradientAccumulationSchedule(128, 128, normalize_by='samples', log_accum_batch=False)"
 MICRO = 'MicroBatching(32) on batches of 128'
 MICRO_SAMPLES = "MicroBatching(32, normalize_by='samples') on batches of 128"
+# the records kept on the device and read once per epoch (`RecordOnDevice`): no host sync per step
+GA_DEVICE = 'GradientAccumulation(128) + RecordOnDevice()'
+SCHED_DEVICE = 'GradientAccumulationSchedule(128, 128) + RecordOnDevice()'
+MICRO_DEVICE = 'MicroBatching(32) on batches of 128 + RecordOnDevice()'
 # not the library: its callback with fastai's event dispatch replaced by `profile_accum.fast_dispatch`, a prototype of an
 # equivalent dispatch (the same callbacks called with the same events, in the same order): what that change would give
 GA_FAST = 'GradientAccumulation(128) + fast dispatch (prototype)'
@@ -69,10 +74,13 @@ GA_TORCH_OPT = "GradientAccumulation(128), OptimWrapper(torch AdamW)"
 TIMED = [TORCH_LOOP, TORCH_TENSORS, ACCELERATE, LIGHTNING, FASTAI_NOACC, FASTAI_GA, FASTXTEND, GA_AUTO, GA_SAMPLES, SCHED, MICRO, MICRO_SAMPLES,
          GA_FAST, GA_SAMPLES_FAST, GA_TORCH_OPT]
 SYNCED = [TORCH_LOOP, ACCELERATE, LIGHTNING, LIGHTNING_LOG, FASTAI_NOACC, FASTAI_GA, FASTXTEND, GA_AUTO, GA_AUTO_NOLOG, GA_SAMPLES,
-          GA_SAMPLES_NOLOG, SCHED, SCHED_SAMPLES, SCHED_NOLOG, SCHED_SAMPLES_NOLOG, MICRO, MICRO_SAMPLES]
+          GA_SAMPLES_NOLOG, SCHED, SCHED_SAMPLES, SCHED_NOLOG, SCHED_SAMPLES_NOLOG, MICRO, MICRO_SAMPLES, GA_DEVICE, SCHED_DEVICE,
+          MICRO_DEVICE]
 EXACT = [TORCH_LOOP, ACCELERATE, LIGHTNING, FASTAI_GA, FASTXTEND, GA_AUTO, GA_SAMPLES, SCHED, MICRO, MICRO_SAMPLES, GA_FAST]
 # issue 26's targets: this library's callbacks at or below a peer's ratio to the PyTorch loop
-TARGETS = [(GA_AUTO, LIGHTNING), (GA_SAMPLES, LIGHTNING), (MICRO, ACCELERATE), (MICRO_SAMPLES, ACCELERATE), (GA_AUTO, GA_SAMPLES)]
+TARGETS = [(GA_AUTO, LIGHTNING), (GA_SAMPLES, LIGHTNING), (MICRO, ACCELERATE), (MICRO_SAMPLES, ACCELERATE), (GA_AUTO, GA_SAMPLES),
+           (MICRO, MICRO_SAMPLES)]
+AUTO_TARGET = {GA_SAMPLES: 1.02, MICRO_SAMPLES: 1.02} # 'auto' at most 1.02x 'samples'
 WHAT_IF = [(GA_FAST, LIGHTNING), (GA_SAMPLES_FAST, LIGHTNING), (GA_FAST, GA_AUTO), (GA_TORCH_OPT, GA_AUTO)] # shown, not judged
 TORCH_FAMILY = {TORCH_LOOP, ACCELERATE, LIGHTNING, LIGHTNING_LOG}
 
@@ -269,8 +277,13 @@ def builders()->dict:
         from fastxtend_accum.callback.gradaccum import GradientAccumulation
         opt = partial(OptimWrapper, opt=torch.optim.AdamW, betas=(0.9,0.99), eps=1e-5, weight_decay=0.01)
         return FastaiRun(s, lambda: GradientAccumulation(s.accum_bs), opt_func=opt)
-    def ours(name, fast=False, **kw):
+    def ours(name, fast=False, device=False, **kw):
         def make(s):
+            if device: # the callback, then RecordOnDevice
+                from fastxtend_accum.callback.recorder import RecordOnDevice
+                r = ours(name, **kw)(s)
+                r.learn.add_cb(RecordOnDevice())
+                return r
             from fastxtend_accum.callback.gradaccum import GradientAccumulation
             from fastxtend_accum.callback.schedule import GradientAccumulationSchedule
             from fastxtend_accum.callback.microbatch import MicroBatching
@@ -298,6 +311,7 @@ def builders()->dict:
             SCHED: ours('sched'), SCHED_SAMPLES: ours('sched', normalize_by='samples'), SCHED_NOLOG: ours('sched', log_accum_batch=False),
             SCHED_SAMPLES_NOLOG: ours('sched', normalize_by='samples', log_accum_batch=False),
             MICRO: ours('micro'), MICRO_SAMPLES: ours('micro', normalize_by='samples'),
+            GA_DEVICE: ours('ga', device=True), SCHED_DEVICE: ours('sched', device=True), MICRO_DEVICE: ours('micro', device=True),
             GA_FAST: ours('ga', fast=True), GA_SAMPLES_FAST: ours('ga', fast=True, normalize_by='samples'), GA_TORCH_OPT: torch_opt}
 
 def build(names, s:Setup, skipped:dict)->dict:
@@ -329,7 +343,7 @@ def bench_time(reps, n_epoch, skipped)->dict:
     for a,b in TARGETS + WHAT_IF:
         if a not in rows or b not in rows: continue
         # the two ratios to the PyTorch loop compared: the same as the two times compared side by side in each repetition
-        r,target = spread(ta/tb for ta,tb in zip(cpu[a], cpu[b])),(1.02 if b == GA_SAMPLES else 1.)
+        r,target = spread(ta/tb for ta,tb in zip(cpu[a], cpu[b])),AUTO_TARGET.get(b, 1.)
         if (a,b) in WHAT_IF: target = None # a prototype's figure, not a target of the library
         targets.append(dict(measure='CPU time', variant=a, reference=b, **r, best_of=min(cpu[a])/min(cpu[b]), x_torch_loop=[rows[a]['x_torch_loop']['median'],
                             rows[b]['x_torch_loop']['median']], target=target, met=None if target is None else r['median'] <= target))
@@ -362,6 +376,34 @@ def bench_syncs(skipped)->dict:
                       sites=[f"{n} x {kind} at {site}" for (kind,site),n in c2.by_site.most_common(6)],
                       torch_optim_host_reads=sum(c2.host_reads.values()), total_2_epochs=c2.total)
     s.n_epoch = 1
+    return res
+
+# --- 2b. ATen ops per micro-batch: what 'auto' runs on the device beyond 'samples', whatever the machine's load ---
+
+OPS_PAIRS = [(GA_AUTO, GA_SAMPLES), (SCHED, SCHED_SAMPLES), (MICRO, MICRO_SAMPLES)]
+
+def bench_ops(skipped)->dict:
+    "ATen ops of a 1-epoch fit (after a warm-up fit), per micro-batch, counted with a `TorchDispatchMode`: 'auto' against 'samples'"
+    from collections import Counter
+    from torch.utils._python_dispatch import TorchDispatchMode
+    class Ops(TorchDispatchMode):
+        def __init__(self): super().__init__(); self.n = Counter()
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[func.__name__] += 1
+            return func(*args, **(kwargs or {}))
+    s = Setup(n_epoch=1)
+    runs = build([n for pair in OPS_PAIRS for n in pair], s, skipped)
+    n_mb,res = len(s.samples)//s.micro_bs,{}
+    for a,b in OPS_PAIRS:
+        if a not in runs or b not in runs: continue
+        counts = {}
+        for k in (a, b):
+            runs[k].fit()
+            with Ops() as o: runs[k].fit()
+            counts[k] = o.n
+        d = counts[a].copy(); d.subtract(counts[b])
+        res[f'{a} / {b}'] = dict(auto=sum(counts[a].values())/n_mb, samples=sum(counts[b].values())/n_mb,
+                                 extra={k: v/n_mb for k,v in sorted(d.items()) if v})
     return res
 
 # --- 3. exactness ---
@@ -480,6 +522,16 @@ def report(res:dict)->tuple[str,str]:
                 "GPU (`bench/syncs.py`); the loaders' work and `torch.optim`'s host step counts are left out. Where: the most "
                 "frequent sites in the 2-epoch fit.", '',
                 md_table(['way to train', 'per step', 'per micro-batch', 'per fit', 'kinds, per step', 'where (most frequent)'], rows), '']
+    op = res.get('ops')
+    if op:
+        rows = [[k, f"{v['auto']:.2f}", f"{v['samples']:.2f}", f"{v['auto']-v['samples']:+.2f}",
+                 ', '.join(f'{n:+.2f} {name}' for name,n in v['extra'].items())] for k,v in op.items()]
+        out += ["### ATen ops per micro-batch: 'auto' against 'samples'", '',
+                "Every ATen op of a 1-epoch fit (forward, loss, backward, optimizer, the library's bookkeeping), counted with a "
+                "`TorchDispatchMode` and divided by the micro-batches: what 'auto' (counting the non-ignored targets on the "
+                "device, weighting each micro-batch by them, scaling the step) runs beyond 'samples'. Unlike a time, it does not "
+                "depend on the machine's load.", '',
+                md_table(['callbacks', "'auto'", "'samples'", 'extra', 'extra ops, per micro-batch'], rows), '']
     ex = res.get('exact')
     if ex:
         rows = [[k, v.get('reference', '-'), f"{v['max_param_diff']:.1e}" if 'max_param_diff' in v else v.get('error'),
@@ -494,7 +546,9 @@ def report(res:dict)->tuple[str,str]:
                 f"(one step), resident-set increase over the epoch, {me['reps']} forked process(es) per peer", '',
                 md_table(['way to train', 'peak increase MB, median [min, max]', 'x PyTorch loop without accumulation'], rows), '']
     if res.get('skipped'): out += ['Skipped: ' + '; '.join(f'{k} ({v})' for k,v in res['skipped'].items()), '']
-    md = '## Peers\n\n' + f"Machine: {describe(res['machine'])}\n\n" + '\n'.join(out)
+    title = 'Peers' if res.get('name', 'peers') == 'peers' else f"Peers: {res['name']}"
+    note = f"{res['note']}\n\n" if res.get('note') else ''
+    md = f'## {title}\n\n' + note + f"Machine: {describe(res['machine'])}\n\n" + '\n'.join(out)
     return '\n'.join(out),md
 
 def main(argv=None):
@@ -502,17 +556,21 @@ def main(argv=None):
     p.add_argument('--quick', action='store_true', help='a smoke test: 2 repetitions of 1 epoch, one memory repetition')
     p.add_argument('--reps', type=int, default=None, help='timed repetitions (default 15, quick 2)')
     p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 1: short fits interleaved follow the load more closely)')
-    p.add_argument('--parts', default='time,syncs,exact,memory')
+    p.add_argument('--parts', default='time,syncs,ops,exact,memory')
     p.add_argument('--out', type=Path, default=RESULTS)
+    p.add_argument('--name', default='peers', help="the results' file name (<name>.json, .md) and section title: a partial run "
+                   "written beside the full one")
+    p.add_argument('--note', default='', help="a sentence under the section's title (what this run is)")
     a = p.parse_args(argv)
     set_threads(1)
     warnings.filterwarnings('ignore')
     start = time.perf_counter()
     res = dict(benchmark='peers', machine=machine(), versions=versions(), config=dict(threads=1, quick=a.quick, n_train=N_TRAIN,
-               micro_bs=MICRO_BS, accum_bs=ACCUM_BS), skipped={})
+               micro_bs=MICRO_BS, accum_bs=ACCUM_BS), skipped={}, name=a.name, note=a.note)
     parts = a.parts.split(',')
     if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 15), a.epochs or 1, res['skipped'])
     if 'syncs' in parts: res['syncs'] = bench_syncs(res['skipped'])
+    if 'ops' in parts: res['ops'] = bench_ops(res['skipped'])
     if 'exact' in parts: res['exact'] = bench_exact(res['skipped'], n_epoch=1 if a.quick else 2)
     if 'memory' in parts: res['memory'] = bench_memory(res['skipped'], reps=1 if a.quick else 2)
     if 'time' in res: res['models'] = {'mlp': dict(ratios=[r for r in res['time']['targets'] if r['target'] is not None])} # run.py's summary
@@ -520,7 +578,7 @@ def main(argv=None):
     res['seconds'] = time.perf_counter()-start
     text,md = report(res)
     print(text)
-    path = write_results('peers', res, md, a.out)
+    path = write_results(a.name, res, md, a.out)
     print(f"wrote {path} and {path.with_suffix('.md')} ({res['seconds']:.0f} s)")
 
 if __name__ == '__main__': main()

@@ -16,6 +16,7 @@ from .precision import *
 from .callback.gradaccum import *
 from .callback.schedule import *
 from .callback.microbatch import *
+from .callback.recorder import * # `RecordOnDevice`
 from .distributed import *
 from .sharded import *
 from .failfast import *

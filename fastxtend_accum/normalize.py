@@ -86,11 +86,11 @@ def check_count(normalize_by, c)->Tensor:
     return torch.tensor(float(c), dtype=torch.float64)
 
 def check_counts(normalize_by, # The counter, named in the error
-                 smallest:Tensor, # The smallest count of the window's micro-batches
-                 total:Tensor, # The window's total count
+                 smallest:Tensor|float, # The smallest count of the window's micro-batches
+                 total:Tensor|float, # The window's total count
                 ):
-    "Raise if a window's counts were negative, NaN or infinite, or all 0: one device sync per window, instead of one per micro-batch"
-    lo,tot = torch.stack([smallest, total.to(smallest.device)]).tolist()
+    "Raise if a window's counts were negative, NaN or infinite, or all 0: one device sync per window (none for numbers)"
+    lo,tot = torch.stack([smallest, total.to(smallest.device)]).tolist() if isinstance(smallest, Tensor) else (smallest,total)
     if not (lo >= 0 and math.isfinite(tot)): raise _bad_count(normalize_by, lo if not lo >= 0 else tot)
     if tot == 0: raise ValueError(linked(f"`normalize_by`={normalize_by!r} returned 0 for every micro-batch of a window: the loss "
                                   "averages over nothing, and the step would be made of zero gradients", 'counts'))
@@ -154,14 +154,19 @@ class AutoNormalize:
         verbose:bool=True, # Print what 'auto' counts when it is not samples
     ):
         store_attr()
-        self.pending,self.said,self.warned = True,set(),set()
+        self.pending,self.said,self.warned,self.last = True,set(),set(),None
 
     def counter(self, loss_func, xb:tuple, yb:tuple):
         "The counter for `loss_func`, read at an epoch's first micro-batch `(xb, yb)`, whose targets tell what to say"
         self.pending = False
-        c = auto_counter(loss_func)
-        if type(c) is SampleCount: self._watch(loss_func, yb)
-        elif repr(c) not in self.said and (type(c) in (WeightedTargetCount, LossSum) or float(c(xb, yb)) != find_bs(yb)): # one sync
+        # the loss read at an earlier epoch, unchanged: its counter, made and checked once (its class weights, the targets
+        # read for what to say: host syncs), none at later epochs and fits
+        d = loss_denominator(loss_func)
+        key = loss_func,loss_reduction(loss_func),None if d is None else (id(d[0]), d[1])
+        if not (new := self.last is None or self.last[0] is not key[0] or self.last[1:3] != key[1:]): c = self.last[3]
+        else: c = auto_counter(loss_func); self.last = *key,c
+        if type(c) is SampleCount: self._watch(loss_func, yb) # a loss it cannot read: its targets, each epoch until it warns
+        elif new and repr(c) not in self.said and (type(c) in (WeightedTargetCount, LossSum) or float(c(xb, yb)) != find_bs(yb)):
             self.said.add(repr(c))
             if type(c) is LossSum: what = "a loss that sums its terms (reduction='sum'): each micro-batch's loss is added as it is,"
             else: what = 'what {} averages over, {} ignore_index={}:'.format(_loss_name(loss_func), 'the targets that are not'

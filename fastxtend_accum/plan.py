@@ -132,6 +132,11 @@ class BatchSplitter(Callback):
         self._learn = learn
     def end_fit(self):
         "However the fit ended: no gradients, nothing patched left behind"
+    def _zero_guard(self, c:Tensor):
+        "A micro-batch with no items (only zero class weights) adds nothing: its loss is 0/0, and its gradient would be NaN"
+        pred = self.learn.pred
+        for t in (pred if is_listy(pred) else [pred]):
+            if isinstance(t, Tensor) and t.requires_grad: t.register_hook(lambda g: torch.where(c > 0, g, 0.))
     def _zero_grads(self):
         "Zero every gradient the model holds: nothing of a dropped window is left for the next"
         for p in self._learn.model.parameters():

@@ -72,6 +72,7 @@ class Window:
     samples:int = 0
     items = 0.             # what the loss averages over: a float, or a float64 tensor on the device
     loss_sum = 0.          # sum of (loss x items) over the micro-batches; of losses if sum_reduced
+    counted:list           # (items, loss) of micro-batches counted on the device: added to items and loss_sum at the step
     ref = None             # rho: the items the weights divide by, fixed at the window's first weighted micro-batch
     items_min = None       # the smallest count (a user's counter's counts are checked at the step)
     # the current micro-batch
@@ -86,7 +87,7 @@ class Window:
     def __init__(self,
                  target:int, # Samples (of this process) that fill it
                  sum_reduced:bool=False, # The loss sums its terms: weights of 1
-                ): self.target,self.sum_reduced = target,sum_reduced
+                ): self.target,self.sum_reduced,self.counted = target,sum_reduced,[]
 
     def add_yielded(self,
                     n:int, # Samples in the micro-batch
@@ -116,9 +117,19 @@ class Window:
         "Count a micro-batch whose backward ran: its samples, items and detached loss"
         self.backward_ran,self.samples = True,self.samples+samples
         if self.sum_reduced: self.loss_sum = self.loss_sum + loss; return
+        if isinstance(items, Tensor): self.counted.append((items, loss)); return # summed at the step, all at once
         self.items = self.items + items
+        self.loss_sum = self.loss_sum + (loss*items if items else 0.)
+
+    def settle(self):
+        "Add the micro-batches counted on the device to `items` and `loss_sum`: a few ops per window, not per micro-batch"
+        if not self.counted: return
+        c,l = torch.stack([o[0] for o in self.counted]),torch.stack([o[1] for o in self.counted])
+        self.counted = []
         # a micro-batch with no items (all padding, zero class weights) has a NaN mean loss: it adds nothing
-        self.loss_sum = self.loss_sum + (torch.where(items > 0, loss*items, 0.) if isinstance(items, Tensor) else loss*items if items else 0.)
+        items,loss_sum = c.sum(),torch.where(c > 0, l*c, 0.).sum()
+        if isinstance(self.items, Tensor) or self.items: items,loss_sum = self.items+items,self.loss_sum+loss_sum
+        self.items,self.loss_sum = items,loss_sum
 
     def scale(self,
               world_size:int, # Processes whose engine averages the gradients
@@ -127,8 +138,9 @@ class Window:
         "What turns the accumulated gradient into the window's: `None` when nothing is to be done"
         # sum_i (c_i/rho) grad_i, averaged over R processes, times R*rho/C = sum_i (c_i/C) grad_i (the derivation above)
         if self.sum_reduced: return None if world_size == 1 else world_size
-        c,f = self.items if items is None else items,world_size*self.ref
-        if isinstance(c, Tensor): return f/c.clamp(min=1) # a window of padding only has zero gradients anyway
+        self.settle()
+        c,f = self.items if items is None else items,self.ref if world_size == 1 else world_size*self.ref
+        if isinstance(c, Tensor): return f/torch.where(c > 0, c, f) # a window of padding only has zero gradients anyway
         return None if c == f else f/c
 
     def loss(self,
@@ -136,6 +148,7 @@ class Window:
              loss_sum=None, # ...and its loss sum
             ):
         "The window's loss: the item-weighted mean of its micro-batches' losses (their sum for a loss that sums)"
+        self.settle()
         l = self.loss_sum if loss_sum is None else loss_sum
         if self.sum_reduced: return l
         c = self.items if items is None else items
@@ -174,6 +187,7 @@ def window_totals(w:Window, # The closing window
                   device=None, # Where the collective's tensor lives
                  )->tuple:
     "The window's (items, samples, loss sum) over all processes: one all-reduce of 3+R float64 numbers"
+    w.settle()
     if reduce is None: return w.items,w.samples,w.loss_sum
     v = torch.zeros(3+world_size, dtype=torch.float64, device=device)
     v[0],v[1],v[2],v[3+rank] = w.items,w.samples,w.loss_sum,key
@@ -193,7 +207,7 @@ def window_ref(target:int, # Samples expected in the window
                rate=None, # Items per sample over all processes (several processes), else None
               ):
     "rho: the items a window of `target` samples is expected to hold; any value is exact if the whole window uses it"
-    if rate is None: rate = items/samples
+    if rate is None: return (items*(target/samples)).clamp(min=1) if isinstance(items, Tensor) else max(items*target/samples, 1)
     return (rate*target).clamp(min=1) if isinstance(rate, Tensor) else max(rate*target, 1)
 
 class Windows:

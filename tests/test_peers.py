@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 def test_peers_quick(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT/'bench'/'peers.py'), '--quick', '--parts', 'time,syncs,exact', '--out', str(tmp_path)],
+    p = subprocess.run([sys.executable, str(ROOT/'bench'/'peers.py'), '--quick', '--parts', 'time,syncs,ops,exact', '--out', str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=420,
                        env=dict(os.environ, PYTHONWARNINGS='ignore', OMP_NUM_THREADS='1'))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -32,3 +32,10 @@ def test_peers_quick(tmp_path):
     for k in ('PyTorch loop (the floor)', 'Accelerate accumulate()'): assert sy[k]['total_2_epochs'] == 0, (k, sy[k])
     noacc = sy['fastai, batches of 32, no accumulation']
     assert noacc['by_kind']['.cpu()'] == 4 and noacc['per_micro_batch'] >= 1, noacc # the Recorder's, once per batch
+    # this library's callbacks, logging per step: fastai's Recorder's one read a step, and its epoch's one (25 steps an epoch)
+    for k,v in sy.items():
+        if k.startswith(('GradientAccumulation', 'MicroBatching')) and 'log_accum_batch=False' not in k:
+            assert v['per_step'] <= (0 if 'RecordOnDevice' in k else 1) + 1/25 + 1e-9 and v['per_fit'] == 0, (k, v)
+    assert any('RecordOnDevice' in k for k in sy)
+    ops = res['ops'] # 'auto' against 'samples': counted, whatever the load
+    assert len(ops) == 3 and all(v['auto'] > v['samples'] for v in ops.values()), ops

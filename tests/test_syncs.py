@@ -1,4 +1,6 @@
-"The host-sync counter of `bench/syncs.py` counts what it says: a known sync per step is seen, a loop without one shows 0"
+"""The host-sync counter of `bench/syncs.py` counts what it says: a known sync per step is seen, a loop without one shows 0.
+Then the library's own: every callback x normalize_by makes no sync of its own (fastai's Recorder's one a step is all), and
+`RecordOnDevice` leaves one an epoch."""
 import sys
 from pathlib import Path
 import pytest, torch
@@ -73,3 +75,71 @@ def test_fastai_recorder_sync_seen():
     with c: learn.fit(1)
     n = len(learn.dls.train)
     assert c.total >= n and c.by_kind['.cpu()'] >= n, c.report()
+
+# --- the library's syncs: at most one per optimizer step (fastai's Recorder), none with RecordOnDevice ---
+
+def _learner(cbs, loss_func, bs):
+    from fastai.basics import Learner, DataLoaders, noop
+    from fastai.callback.progress import ProgressCallback
+    g = torch.Generator().manual_seed(0)
+    x,y = torch.randn(256, 8, generator=g),torch.randint(0, 3, (256,), generator=g)
+    y[::7] = -100 # ignored targets: 'auto' counts the others
+    dls = DataLoaders.from_dsets(list(zip(x, y)), [], bs=bs, num_workers=0, device='cpu')
+    learn = Learner(dls, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), loss_func=loss_func, cbs=cbs)
+    learn.remove_cb(ProgressCallback); learn.logger = noop
+    return learn
+
+def _per_epoch(learn):
+    "Syncs of a 2-epoch fit beyond a 1-epoch fit (after a warm-up fit): what one epoch makes, and where"
+    learn.fit(1)
+    counts = []
+    for n in (1, 2):
+        c = SyncCounter()
+        for dl in learn.dls.loaders: pause_loader(dl, c) # their host work (a seed per epoch) is not a sync
+        with c: learn.fit(n)
+        counts.append(c)
+    return counts[1].total-counts[0].total,counts[1]
+
+CE,CE_SUM = nn.CrossEntropyLoss(),nn.CrossEntropyLoss(reduction='sum')
+CE_WEIGHTED = nn.CrossEntropyLoss(weight=torch.tensor([0., 0.5, 2.])) # a zero class weight: counts of 0 are guarded on the device
+COUNTERS = {'auto': ('auto', CE), 'samples': ('samples', CE), 'sum': ('sum', CE_SUM), 'auto, class weights': ('auto', CE_WEIGHTED),
+            'TokenCount()': (None, CE)}
+
+def _callback(kind, normalize_by):
+    from fastxtend_accum.all import GradientAccumulation, GradientAccumulationSchedule, MicroBatching, TokenCount
+    nb = TokenCount() if normalize_by is None else normalize_by
+    if kind == 'GradientAccumulation': return GradientAccumulation(64, normalize_by=nb),16
+    if kind == 'GradientAccumulationSchedule': return GradientAccumulationSchedule(64, 64, normalize_by=nb),16
+    return MicroBatching(16, normalize_by=nb, verbose=False),64
+
+KINDS = ['GradientAccumulation', 'GradientAccumulationSchedule', 'MicroBatching']
+
+@pytest.mark.parametrize('counter', list(COUNTERS))
+@pytest.mark.parametrize('kind', KINDS)
+def test_one_sync_per_step_at_most(kind, counter):
+    "Logging on: fastai's Recorder reads the step's loss (one .cpu()) and its epoch's values (one item); the library adds none"
+    nb,loss = COUNTERS[counter]
+    cb,bs = _callback(kind, nb)
+    n,c = _per_epoch(_learner([cb], loss, bs))
+    steps = 256//64
+    assert n <= steps + 1, c.report()
+    assert not [s for _,s in c.by_site if 'fastxtend_accum' in s], c.report()
+
+@pytest.mark.parametrize('counter', ['auto', 'samples', 'auto, class weights'])
+@pytest.mark.parametrize('kind', KINDS + ['no accumulation'])
+def test_record_on_device_no_sync_per_step(kind, counter):
+    "RecordOnDevice: the epoch's records are read to the host once, at its end: one sync an epoch, none per step"
+    from fastxtend_accum.all import RecordOnDevice
+    nb,loss = COUNTERS[counter]
+    cb,bs = (None,16) if kind == 'no accumulation' else _callback(kind, nb)
+    learn = _learner([o for o in (cb, RecordOnDevice()) if o is not None], loss, bs)
+    n,c = _per_epoch(learn)
+    assert n == 1 and c.by_kind == {'.tolist()': 2}, c.report() # one per epoch: the 2-epoch fit read twice
+    assert all(isinstance(o, torch.Tensor) and o.device.type == 'cpu' for o in learn.recorder.losses)
+
+def test_user_counter_checked_once_per_step():
+    "A user's counter is checked at the step (its counts could be negative or NaN): one sync more per step, none per micro-batch"
+    from fastxtend_accum.all import GradientAccumulation
+    count = lambda xb, yb: (yb[0] != -100).sum()
+    n,c = _per_epoch(_learner([GradientAccumulation(64, normalize_by=count)], CE, 16))
+    assert n <= 2*(256//64) + 1, c.report()

@@ -202,3 +202,27 @@ def test_auto_hugging_face_gpt2(monkeypatch):
           f"max |param diff| {max_param_diff(large, samples):.1e}")
     assert max_param_diff(large, auto) < 1e-8 and off['auto'] < 1e-10
     assert max_param_diff(large, samples) > 1e-4 and off['samples'] > 1e-2
+
+def test_class_weights_summing_below_one_are_exact():
+    "A window whose class weights sum below 1 (weights of 1e-3): the step divides by that sum, not by 1 (it once clamped it)"
+    import warnings
+    from torch import nn
+    from fastai.basics import Learner, DataLoaders, noop, SGD
+    from fastai.callback.progress import ProgressCallback
+    from fastxtend_accum.test_utils import Float64SmoothLoss
+    from fastxtend_accum.callback.microbatch import MicroBatching
+    g = torch.Generator().manual_seed(0)
+    x,y = torch.randn(64, 8, generator=g, dtype=torch.float64),torch.randint(0, 3, (64,), generator=g)
+    def run(bs, cbs):
+        torch.manual_seed(0)
+        m = nn.Linear(8, 3).double()
+        dls = DataLoaders.from_dsets(list(zip(x, y)), [], bs=bs, num_workers=0, device='cpu', shuffle=False)
+        loss = nn.CrossEntropyLoss(weight=torch.tensor([1e-3, 2e-3, 3e-3], dtype=torch.float64))
+        learn = Learner(dls, m, loss_func=loss, opt_func=SGD, lr=0.1, cbs=cbs+[Float64SmoothLoss()])
+        learn.remove_cb(ProgressCallback); learn.logger = noop
+        with warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.fit(1)
+        return m
+    ref = run(16, [])
+    for bs,cb in ((4, GradientAccumulation(16)), (16, MicroBatching(4, verbose=False))): # 'auto': the loss's class weights
+        m = run(bs, [cb])
+        assert max((p-q).abs().max().item() for p,q in zip(m.parameters(), ref.parameters())) < 1e-12, type(cb).__name__

@@ -270,6 +270,7 @@ class GradientAccumulation(BatchSplitter):
         w,sync = r.window,r.sync
         if sync.world_size == 1 and not w.samples: return self._abandon_window() # every micro-batch was cancelled
         if r.checks_counts and not w.sum_reduced and w.items_min is not None: # a user's counts: one sync per step
+            w.settle()
             check_counts(self.normalize_by, w.items_min, w.items)
         if w.ref is None and not w.sum_reduced: w.ref = r.ref() # no backward ran here: the same rho as elsewhere
         c,held,l = window_totals(w, window_key(self.epoch, r.i_window), sync.reduce, sync.world_size, sync.rank, sync.device)
@@ -334,12 +335,6 @@ class GradientAccumulation(BatchSplitter):
         r.plan,r.count_globally = plans_agree(r.plan, n, _read_ahead(self.dl), s.reduce, s.world_size, s.rank, s.device, s.engine)
 
     # gradients
-    def _zero_guard(self, c:Tensor):
-        "A micro-batch with no items (only zero class weights) adds nothing: its loss is 0/0, and its gradient would be NaN"
-        pred = self.learn.pred
-        for t in (pred if is_listy(pred) else [pred]):
-            if isinstance(t, Tensor) and t.requires_grad: t.register_hook(lambda g: torch.where(c > 0, g, 0.))
-
     def _drop_open_window(self, epoch:int):
         "Drop a window `epoch` ended in (a loader whose `len` over-reports, an epoch cut short), and say so"
         r = self.windows

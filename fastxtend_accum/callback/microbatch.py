@@ -249,7 +249,7 @@ class MicroBatching(BatchSplitter):
         # one process, one micro-batch: fastai's loss as it is; else the batch is a window (see `window`)
         w = Window(n, getattr(self.counter, 'reduction', 'mean') == 'sum') if k > 1 or self.sync.world_size > 1 else None
         counts = self._counts(mbs, sizes) if w is not None else [None]
-        if w is not None and not w.sum_reduced: w.ref = self._ref(sum(counts))
+        if w is not None and not w.sum_reduced: w.ref = self._ref(sum(counts[1:], counts[0]))
         if k > 1: self._check_bn()
         rows = self._row_states(n) if k > 1 else None # a recurrent model's state, handed to each micro-batch's rows
         mix = MixSplit(learn, n) if k > 1 else None
@@ -260,21 +260,26 @@ class MicroBatching(BatchSplitter):
         finally:
             if mix is not None: mix.restore()
 
-    def _ref(self, items)->float:
+    def _ref(self, items):
         "rho, what the micro-batches' weights c_i/rho divide by: the batch's items on one process; the same on every process"
-        if self.sync.world_size == 1: return items # the weights c_i/C: nothing to correct at the step
-        if self.rho is None: self.rho = self.sync.sum(items)[0].item()/self.sync.world_size # the fit's first batch
-        return max(self.rho, 1.) # the previous batch's items per process, summed over processes (`_over_processes`)
+        if self.sync.world_size == 1: # the weights c_i/C: nothing to correct at the step (a batch of no items: zero weights)
+            return items.clamp(min=1e-300) if isinstance(items, Tensor) else items
+        if self.rho is None: # the fit's first batch (samples: on the host, one sync a fit)
+            s = self.sync.sum(items)[0]
+            self.rho = (s if isinstance(items, Tensor) else s.item())/self.sync.world_size
+        # the previous batch's items per process, summed over processes (`_over_processes`), on the device: no sync
+        return self.rho.clamp(min=1.) if isinstance(self.rho, Tensor) else max(self.rho, 1.)
 
     def _over_processes(self, w:Window|None):
         "The batch's loss over all processes, and its gradient made the exact mean over what did backward (`window_totals`)"
         sync,learn = self.sync,self.learn
         if w is None: return self.fgrads.to_grads(None, sync) # one process, one micro-batch: a 16-bit model's sums, rounded
-        c,_,l = window_totals(w, window_key(self.epoch, self.iter), sync.reduce, sync.world_size, sync.rank, sync.device)
-        if sync.world_size > 1:
-            self.rho = float(c)/sync.world_size # the next batch's rho: the same on every process
+        c,held,l = window_totals(w, window_key(self.epoch, self.iter), sync.reduce, sync.world_size, sync.rank, sync.device)
+        if sync.world_size > 1: # the next batch's rho: the same on every process (samples: known on the host)
+            self.rho = (held if isinstance(self.counter, SampleCount) else c)/sync.world_size
             learn.loss = w.loss(c, l).to(learn.loss) # the loss of the global batch (every process's samples)
-        scale = w.scale(sync.world_size, c)
+        # one process: the weights c_i/C sum to 1 (a batch of no items: zero gradients), nothing to correct
+        scale = w.scale(sync.world_size, c) if sync.world_size > 1 else None
         # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
         if not self.fgrads.to_grads(scale, sync) and scale is not None:
             scale_grads([p.grad for p in learn.model.parameters() if p.grad is not None], scale)
@@ -300,13 +305,16 @@ class MicroBatching(BatchSplitter):
             if i < k-1: learn.pred = learn.loss_grad = None # free this micro-batch's output before the next forward
         if rows is not None: rows.carry_on() # the whole batch's state, row by row, for the next batch
         if w is None: return preds,learn.loss,None
-        return preds,(w.loss() if w.samples else torch.zeros_like(learn.loss.detach())),w
+        return preds,(w.loss().to(learn.loss.dtype) if w.samples else torch.zeros_like(learn.loss.detach())),w
 
     def _backward(self, w:Window|None, c, size:int):
         "The micro-batch's backward, of its loss weighted after every `before_backward` callback (a term they added too)"
         learn = self.learn
-        if w is not None: # items_i/rho (1 for a loss that sums); no items: an exact 0 that still back-propagates
-            learn.loss_grad = learn.loss_grad*w.weight(c) if c else _zero_loss(learn.pred)
+        if w is not None and not isinstance(c, Tensor) and not c: learn.loss_grad = _zero_loss(learn.pred) # no items: an exact 0
+        elif w is not None: # items_i/rho (1 for a loss that sums), on the device where the count or rho is: no sync
+            wt = w.weight(c)
+            learn.loss_grad = learn.loss_grad*(wt.to(learn.loss_grad.dtype) if isinstance(wt, Tensor) else wt)
+            if isinstance(c, Tensor) and getattr(self.counter, 'zero_nan', True): self._zero_guard(c) # a count of 0: no NaN
         if learn.loss_grad is not None: learn._backward()
         if w is not None and size: w.add_backward(size, c, learn.loss.detach())
 
@@ -316,11 +324,14 @@ class MicroBatching(BatchSplitter):
         return RowStates(self._awd, n) if self._awd else None
 
     def _counts(self, mbs, sizes)->list:
-        "Items in each micro-batch (one device sync for counts other than samples: the weights need their sum up front)"
+        "Items in each micro-batch: this library's counts stay on the device; a user's are checked on the host (one sync a batch)"
         if isinstance(self.counter, SampleCount): return sizes
-        cs = [check_count(self.normalize_by, self.counter(mxb, myb)) for mxb,myb in mbs]
-        cs = [c if s else 0. for c,s in zip(torch.stack([c.to(cs[0].device) for c in cs]).tolist(), sizes)] # a stand-in counts 0
-        check_counts(self.normalize_by, torch.tensor(min(cs), dtype=torch.float64), torch.tensor(sum(cs), dtype=torch.float64))
+        cs = [check_count(self.normalize_by, self.counter(mxb, myb)) if s else 0. for (mxb,myb),s in zip(mbs, sizes)] # a stand-in counts 0
+        if getattr(self.counter, 'counts_valid', False): return cs
+        ts = [c for c in cs if isinstance(c, Tensor)]
+        host = iter(torch.stack([c.to(ts[0].device) for c in ts]).tolist())
+        cs = [next(host) if isinstance(c, Tensor) else c for c in cs]
+        check_counts(self.normalize_by, min(cs), sum(cs))
         return cs
 
     @property
