@@ -12,7 +12,7 @@ from .messages import linked
 
 # %% auto #0
 __all__ = ['MAX_SIZE', 'fills', 'check_size', 'WindowPlan', 'Window', 'scale_grads', 'ProcessesDisagree', 'raised_everywhere',
-           'window_key', 'window_totals', 'window_ref', 'Windows', 'plans_agree']
+           'window_key', 'window_totals', 'window_ref', 'checks_counts', 'guards_zero', 'Windows', 'plans_agree']
 
 # %% ../nbs/window.ipynb #a22c95d6
 def fills(seen:int, # Samples the window has been given so far (cancelled micro-batches too)
@@ -210,6 +210,16 @@ def window_ref(target:int, # Samples expected in the window
     if rate is None: return (items*(target/samples)).clamp(min=1) if isinstance(items, Tensor) else max(items*target/samples, 1)
     return (rate*target).clamp(min=1) if isinstance(rate, Tensor) else max(rate*target, 1)
 
+def checks_counts(counter, # The counter of a callback (its normalize_by)
+                 )->bool:
+    "Whether a counter's counts are checked at the step: a user's; not this library's, valid as they are made"
+    return not getattr(counter, 'counts_valid', False)
+
+def guards_zero(counter, # The counter of a callback (its normalize_by)
+               )->bool:
+    "Whether a counter's count can be 0 with a loss of 0/0 (zero class weights; a user's counter): its gradient is guarded"
+    return getattr(counter, 'zero_nan', True)
+
 class Windows:
     "A fit's accumulation state, by lifetime: what one callback holds besides its parameters (no fastai here)"
     # across fits
@@ -266,11 +276,11 @@ class Windows:
     @property
     def checks_counts(self)->bool:
         "Whether the counts are checked at the step: a user's counter's; not this library's, valid as they are made"
-        return not getattr(self.counter, 'counts_valid', False)
+        return checks_counts(self.counter)
     @property
     def guards_zero(self)->bool:
         "Whether a micro-batch's count can be 0 with a loss of 0/0 (zero class weights; a user's counter)"
-        return getattr(self.counter, 'zero_nan', True)
+        return guards_zero(self.counter)
     @property
     def syncs(self)->bool:
         "Whether the micro-batch's backward communicates the window's gradient: it closes it, and no float32 sum reduces by hand"

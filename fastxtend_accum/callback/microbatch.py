@@ -314,7 +314,7 @@ class MicroBatching(BatchSplitter):
         elif w is not None: # items_i/rho (1 for a loss that sums), on the device where the count or rho is: no sync
             wt = w.weight(c)
             learn.loss_grad = learn.loss_grad*(wt.to(learn.loss_grad.dtype) if isinstance(wt, Tensor) else wt)
-            if isinstance(c, Tensor) and getattr(self.counter, 'zero_nan', True): self._zero_guard(c) # a count of 0: no NaN
+            if isinstance(c, Tensor) and guards_zero(self.counter): self._zero_guard(c) # a count of 0: no NaN
         if learn.loss_grad is not None: learn._backward()
         if w is not None and size: w.add_backward(size, c, learn.loss.detach())
 
@@ -327,7 +327,7 @@ class MicroBatching(BatchSplitter):
         "Items in each micro-batch: this library's counts stay on the device; a user's are checked on the host (one sync a batch)"
         if isinstance(self.counter, SampleCount): return sizes
         cs = [check_count(self.normalize_by, self.counter(mxb, myb)) if s else 0. for (mxb,myb),s in zip(mbs, sizes)] # a stand-in counts 0
-        if getattr(self.counter, 'counts_valid', False): return cs
+        if not checks_counts(self.counter): return cs
         ts = [c for c in cs if isinstance(c, Tensor)]
         host = iter(torch.stack([c.to(ts[0].device) for c in ts]).tolist())
         cs = [next(host) if isinstance(c, Tensor) else c for c in cs]
