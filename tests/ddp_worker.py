@@ -274,6 +274,6 @@ def main(out, cases):
     from datetime import timedelta
     dist.init_process_group('gloo', timeout=timedelta(seconds=PG_TIMEOUT)) # `distrib_ctx` (accelerate) uses it as it is
     for case in cases: run_case(case, out, rank)
-    dist.barrier()
+    dist.barrier(); dist.destroy_process_group() # gloo torn down before exit: else its threads can abort it
 
 if __name__ == '__main__': main(sys.argv[1], sys.argv[2].split(',') if len(sys.argv) > 2 else CASES)

@@ -92,6 +92,6 @@ def main(out:str, cases:list[str]):
         dist.init_process_group('gloo', timeout=timedelta(seconds=W.PG_TIMEOUT))
     import fastxtend_accum.all # noqa: F401
     for case in cases: run_case(case, out, world, rank)
-    if world > 1: dist.barrier()
+    if world > 1: dist.barrier(); dist.destroy_process_group() # gloo torn down before exit: else its threads can abort it
 
 if __name__ == '__main__': main(sys.argv[1], sys.argv[2].split(','))

@@ -138,6 +138,6 @@ def main(out:str, world:int, cases:list[str]):
         dist.init_process_group('gloo', timeout=timedelta(seconds=W.PG_TIMEOUT))
         assert dist.get_world_size() == world
     for case in cases: run_case(case, out, world, rank)
-    if world > 1: dist.barrier()
+    if world > 1: dist.barrier(); dist.destroy_process_group() # gloo torn down before exit: else its threads can abort it
 
 if __name__ == '__main__': main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(','))

@@ -58,6 +58,6 @@ def main(out:str, tag:str, phase:str):
     if rank == 0:
         torch.save(dict(lrs=learn.lrs.lrs, params=[p.detach().clone() for p in learn.model.parameters()]),
                    os.path.join(out, f'{tag}-{phase}-w{world}.pt'))
-    if world > 1: dist.barrier()
+    if world > 1: dist.barrier(); dist.destroy_process_group() # gloo torn down before exit: else its threads can abort it
 
 if __name__ == '__main__': main(*sys.argv[1:4])
