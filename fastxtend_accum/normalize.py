@@ -10,7 +10,7 @@ from .messages import warn, linked
 
 # %% auto #0
 __all__ = ['SampleCount', 'TokenCount', 'WeightedTargetCount', 'LossSum', 'item_counter', 'check_count', 'check_counts',
-           'loss_denominator', 'loss_reduction', 'auto_counter', 'AutoNormalize', 'auto_normalize']
+           'loss_denominator', 'loss_reduction', 'auto_counter', 'loss_items', 'AutoNormalize', 'auto_normalize']
 
 # %% ../nbs/normalize.ipynb #76a64e9f
 class SampleCount:
@@ -27,6 +27,7 @@ class TokenCount:
     "Count the targets that are not `ignore_index`: for losses that average over non-padding tokens"
     counts_valid = True # a count of targets: finite and non-negative, no check per window needed
     zero_nan = False # all padding: PyTorch's cross-entropy gives zero gradients
+    loss_denominator = True # what a cross-entropy divides by: 'auto' may read it from the loss (`loss_items`)
     def __init__(self, ignore_index:int=-100): store_attr()
     def __call__(self, xb:tuple, yb:tuple)->Tensor: return (yb[0] != self.ignore_index).sum(dtype=torch.float64) # on device: no sync
     def __repr__(self): return f'TokenCount(ignore_index={self.ignore_index})'
@@ -35,6 +36,7 @@ class TokenCount:
 class WeightedTargetCount:
     "Sum the class weights of the targets that are not `ignore_index`: what a class-weighted cross-entropy averages by"
     counts_valid = True # a sum of weights checked finite and non-negative once, when the counter is made
+    loss_denominator = True # what a cross-entropy divides by: 'auto' may read it from the loss (`loss_items`)
     def __init__(self,
         weight:Tensor, # The loss's class weights, one per class
         ignore_index:int=-100, # The loss's ignore_index
@@ -132,6 +134,23 @@ def auto_counter(loss_func, # A Learner's loss
     if d is None: return SampleCount()
     weight,ignore_index = d
     return TokenCount(ignore_index) if weight is None else WeightedTargetCount(weight, ignore_index)
+
+# %% ../nbs/normalize.ipynb #3d370ca2
+def _nll_backward():
+    "The graph nodes of a mean NLL loss (targets of one dimension, and of more: `NllLoss2dBackward0`) and of an alias"
+    x,y = torch.zeros(1, 2, 1, 1, requires_grad=True),torch.zeros(1, 1, 1, dtype=torch.long)
+    return (type(F.nll_loss(x[..., 0, 0], y[:, 0, 0]).grad_fn),type(F.nll_loss(x, y).grad_fn)),type(torch.ops.aten.alias(x).grad_fn)
+
+_NLL_BACKWARD,_ALIAS_BACKWARD = _nll_backward()
+
+def loss_items(loss:Tensor, # A micro-batch's loss, before any term is added to it
+              )->Tensor|None:
+    "What a mean cross-entropy or NLL `loss` divided by (its targets, or their class weights), read from its graph: `None` if it is not one"
+    gf = getattr(loss, 'grad_fn', None)
+    if type(gf) is _ALIAS_BACKWARD: gf = gf.next_functions[0][0] # fastai's `BaseLoss` returns a `TensorBase` alias of it
+    if type(gf) not in _NLL_BACKWARD or gf._saved_reduction != 1: return None # 1: PyTorch's Reduction::Mean
+    tw = gf._saved_total_weight
+    return tw if tw.dtype in (torch.float32, torch.float64) else None # a 16-bit total weight rounds counts past 2,048
 
 # %% ../nbs/normalize.ipynb #fdcbab98
 def _loss_name(loss_func)->str:

@@ -127,7 +127,8 @@ class Window:
         c,l = torch.stack([o[0] for o in self.counted]),torch.stack([o[1] for o in self.counted])
         self.counted = []
         # a micro-batch with no items (all padding, zero class weights) has a NaN mean loss: it adds nothing
-        items,loss_sum = c.sum(),torch.where(c > 0, l*c, 0.).sum()
+        # in float64 however the counts came (a loss's float32 total weight, `normalize.loss_items`)
+        items,loss_sum = c.sum(dtype=torch.float64),torch.where(c > 0, l*c, 0.).sum(dtype=torch.float64)
         if isinstance(self.items, Tensor) or self.items: items,loss_sum = self.items+items,self.loss_sum+loss_sum
         self.items,self.loss_sum = items,loss_sum
 
@@ -251,7 +252,8 @@ class Windows:
     # per micro-batch
     mb_pct:float = 0.      # fastai's training progress at this micro-batch
     mb_samples:int = 0
-    mb_items = 0
+    mb_items = 0           # its count; None: to be read from its loss at the backward (`reads_loss`)
+    mb_batch = None        # (xb, yb) as yielded, where the count waits for the loss
     pred_mark = None       # `learn.pred` before the micro-batch: tells whether its forward ran
 
     def __init__(self): self.warned = set()
@@ -273,6 +275,10 @@ class Windows:
     def by_samples(self)->bool:
         "Whether the counter counts samples: the weights are known ahead"
         return getattr(self.counter, 'samples', False)
+    @property
+    def reads_loss(self)->bool:
+        "Whether a micro-batch's count can be read from its loss: `'auto'` counting what a cross-entropy divides by"
+        return self.auto is not None and getattr(self.counter, 'loss_denominator', False)
     @property
     def checks_counts(self)->bool:
         "Whether the counts are checked at the step: a user's counter's; not this library's, valid as they are made"

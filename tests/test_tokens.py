@@ -90,6 +90,27 @@ def test_auto_padded_lm_fastai_loss():
         print(f"{kind}: max |param diff| 'auto' {max_param_diff(large, auto):.2g}, 'samples' {max_param_diff(large, samples):.2g}")
         assert max_param_diff(large, auto) < 1e-7 and max_param_diff(large, samples) > 1e-4
 
+class L2Term(Callback):
+    "A term added to the loss in `after_loss`: the loss's graph is then not the cross-entropy's alone"
+    def after_loss(self): self.learn.loss_grad = self.learn.loss_grad + 1e-3*sum(p.pow(2).sum() for p in self.model.parameters())
+
+def test_auto_reads_each_count_from_the_loss(lm_large, monkeypatch):
+    """'auto' takes a cross-entropy's count from the loss's graph (`normalize.loss_items`: no tensor op), not by counting the
+    targets; where the graph is not the cross-entropy's alone (a term added in `after_loss`), it counts the targets. Exact both
+    ways, and each way is the one taken"""
+    calls = []
+    call = TokenCount.__call__
+    monkeypatch.setattr(TokenCount, '__call__', lambda self, xb, yb: calls.append(1) or call(self, xb, yb))
+    read = lm(*split('accum'))
+    assert_same_training(lm_large, read)
+    n_mb = LM_LINES//LM_MICRO
+    assert len(calls) <= 1, len(calls) # at most the look that decides what 'auto' says, not once per micro-batch
+    calls.clear()
+    term_large,term = lm(LM_ACCUM, L2Term()),lm(LM_MICRO, [GradientAccumulation(LM_ACCUM), L2Term()])
+    assert_same_training(term_large, term)
+    assert len(calls) >= n_mb, (len(calls), n_mb)
+    assert max_param_diff(term_large, lm(LM_MICRO, [GradientAccumulation(LM_ACCUM, normalize_by='samples'), L2Term()])) > 1e-4
+
 def test_auto_label_smoothing_class_weights_and_ignore_index():
     "PyTorch's label smoothing divides by the same sum of the non-ignored targets' weights: 'auto' counts it"
     loss = nn.CrossEntropyLoss(weight=torch.linspace(0.5, 1.5, VOCAB, dtype=torch.float64), label_smoothing=0.1)

@@ -105,8 +105,16 @@ class GradientAccumulation(BatchSplitter):
 
     def grad_opt(self):
         "fastai's `_do_grad_opt` for a micro-batch: backward always; the step events, step and `zero_grad` once per window"
+        r = self.windows
+        if r.mb_items is None: r.mb_items = self._loss_items() # before any `before_backward` callback adds to the loss
         self.learn._with_events(self._backward, 'backward', CancelBackwardException)
         self._end_micro_batch()
+
+    def _loss_items(self):
+        "The micro-batch's count: what its loss divided by (`loss_items`), else its yielded targets counted"
+        r = self.windows
+        c = loss_items(self.learn.loss_grad)
+        return c if c is not None else check_count(self.normalize_by, r.counter(*r.mb_batch))
 
     def after_cancel_batch(self):
         "A cancelled micro-batch still counts where it was yielded: a window it closes steps on those that did backward"
@@ -188,8 +196,11 @@ class GradientAccumulation(BatchSplitter):
         if not r.open: self._open_window(n)
         learn.pct_train = r.window_pct # every micro-batch trains with the hyper-parameters of the window's first
         w = r.window
-        # counts other than samples stay on the device (no sync), in float64 so that weights and correction cancel exactly
-        r.mb_items = n if r.by_samples else check_count(self.normalize_by, r.counter(learn.xb, learn.yb))
+        # counts other than samples stay on the device (no sync), in float64 so that weights and correction cancel exactly;
+        # 'auto' reads a cross-entropy's from its loss at the backward (no op), but for the rate the processes agree on first
+        if r.by_samples: r.mb_items = n
+        elif r.reads_loss and (r.rate is not None or r.sync.world_size == 1): r.mb_items,r.mb_batch = None,(learn.xb, learn.yb)
+        else: r.mb_items = check_count(self.normalize_by, r.counter(learn.xb, learn.yb))
         if r.rate is None and r.sync.world_size > 1 and not r.by_samples: # the fit's first micro-batch, on every process
             c,m = r.sync.sum(r.mb_items, n)
             r.rate = c/m # items per sample over all processes: the first window's rho, the same everywhere
