@@ -53,7 +53,7 @@ COMPARISONS = [(OURS_LOG, FASTAI, 1.02), (OURS_NOLOG, FASTAI, 1.02), (OURS_LOG, 
                (FASTAI, NO_ACCUM, None), (OURS_LOG, OURS_NOLOG, None), (NO_ACCUM_PATCHED, NO_ACCUM, None),
                (TORCH, NO_ACCUM, None), (MICRO, OURS_LOG, None), (MICRO, NO_ACCUM, None), (TORCH_DL, NO_ACCUM, None),
                (TORCH, TORCH_DL, None),
-               # the default normalize_by='auto' on a classifier's CrossEntropyLoss counts its non-ignored targets on the device
+               # the default normalize_by='auto' on a classifier's CrossEntropyLoss counts its non-ignored targets (read from the loss)
                # (exact if a target is ever -100), against counting samples: what 'auto' costs where it changes nothing
                (OURS_LOG, OURS_SAMPLES, None), (MICRO, MICRO_SAMPLES, None)]
 

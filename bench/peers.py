@@ -71,8 +71,10 @@ GA_SAMPLES_FAST = "GradientAccumulation(128, normalize_by='samples') + fast disp
 # also not a target: the library's callback with PyTorch's AdamW (foreach) through fastai's `OptimWrapper`, the optimizer the
 # PyTorch, Accelerate and Lightning loops use, instead of fastai's `Adam` (a Python loop over the parameters)
 GA_TORCH_OPT = "GradientAccumulation(128), OptimWrapper(torch AdamW)"
+# what 'auto' did before it read a cross-entropy's count from the loss: the same count, taken from the targets on the device
+GA_TOKENS = 'GradientAccumulation(128, normalize_by=TokenCount())'
 TIMED = [TORCH_LOOP, TORCH_TENSORS, ACCELERATE, LIGHTNING, FASTAI_NOACC, FASTAI_GA, FASTXTEND, GA_AUTO, GA_SAMPLES, SCHED, MICRO, MICRO_SAMPLES,
-         GA_FAST, GA_SAMPLES_FAST, GA_TORCH_OPT]
+         GA_FAST, GA_SAMPLES_FAST, GA_TORCH_OPT, GA_TOKENS]
 SYNCED = [TORCH_LOOP, ACCELERATE, LIGHTNING, LIGHTNING_LOG, FASTAI_NOACC, FASTAI_GA, FASTXTEND, GA_AUTO, GA_AUTO_NOLOG, GA_SAMPLES,
           GA_SAMPLES_NOLOG, SCHED, SCHED_SAMPLES, SCHED_NOLOG, SCHED_SAMPLES_NOLOG, MICRO, MICRO_SAMPLES, GA_DEVICE, SCHED_DEVICE,
           MICRO_DEVICE]
@@ -81,7 +83,8 @@ EXACT = [TORCH_LOOP, ACCELERATE, LIGHTNING, FASTAI_GA, FASTXTEND, GA_AUTO, GA_SA
 TARGETS = [(GA_AUTO, LIGHTNING), (GA_SAMPLES, LIGHTNING), (MICRO, ACCELERATE), (MICRO_SAMPLES, ACCELERATE), (GA_AUTO, GA_SAMPLES),
            (MICRO, MICRO_SAMPLES)]
 AUTO_TARGET = {GA_SAMPLES: 1.02, MICRO_SAMPLES: 1.02} # 'auto' at most 1.02x 'samples'
-WHAT_IF = [(GA_FAST, LIGHTNING), (GA_SAMPLES_FAST, LIGHTNING), (GA_FAST, GA_AUTO), (GA_TORCH_OPT, GA_AUTO)] # shown, not judged
+WHAT_IF = [(GA_FAST, LIGHTNING), (GA_SAMPLES_FAST, LIGHTNING), (GA_FAST, GA_AUTO), (GA_TORCH_OPT, GA_AUTO),
+           (GA_TOKENS, GA_SAMPLES), (GA_TOKENS, GA_AUTO)] # shown, not judged
 TORCH_FAMILY = {TORCH_LOOP, ACCELERATE, LIGHTNING, LIGHTNING_LOG}
 
 def versions()->dict:
@@ -277,8 +280,11 @@ def builders()->dict:
         from fastxtend_accum.callback.gradaccum import GradientAccumulation
         opt = partial(OptimWrapper, opt=torch.optim.AdamW, betas=(0.9,0.99), eps=1e-5, weight_decay=0.01)
         return FastaiRun(s, lambda: GradientAccumulation(s.accum_bs), opt_func=opt)
-    def ours(name, fast=False, device=False, **kw):
+    def ours(name, fast=False, device=False, tokens=False, **kw):
         def make(s):
+            if tokens: # an explicit counter: counted from the targets, never read from the loss
+                from fastxtend_accum.normalize import TokenCount
+                kw['normalize_by'] = TokenCount()
             if device: # the callback, then RecordOnDevice
                 from fastxtend_accum.callback.recorder import RecordOnDevice
                 r = ours(name, **kw)(s)
@@ -312,7 +318,7 @@ def builders()->dict:
             SCHED_SAMPLES_NOLOG: ours('sched', normalize_by='samples', log_accum_batch=False),
             MICRO: ours('micro'), MICRO_SAMPLES: ours('micro', normalize_by='samples'),
             GA_DEVICE: ours('ga', device=True), SCHED_DEVICE: ours('sched', device=True), MICRO_DEVICE: ours('micro', device=True),
-            GA_FAST: ours('ga', fast=True), GA_SAMPLES_FAST: ours('ga', fast=True, normalize_by='samples'), GA_TORCH_OPT: torch_opt}
+            GA_TOKENS: ours('ga', tokens=True), GA_FAST: ours('ga', fast=True), GA_SAMPLES_FAST: ours('ga', fast=True, normalize_by='samples'), GA_TORCH_OPT: torch_opt}
 
 def build(names, s:Setup, skipped:dict)->dict:
     runs,b = {},builders()
@@ -380,7 +386,7 @@ def bench_syncs(skipped)->dict:
 
 # --- 2b. ATen ops per micro-batch: what 'auto' runs on the device beyond 'samples', whatever the machine's load ---
 
-OPS_PAIRS = [(GA_AUTO, GA_SAMPLES), (SCHED, SCHED_SAMPLES), (MICRO, MICRO_SAMPLES)]
+OPS_PAIRS = [(GA_AUTO, GA_SAMPLES), (GA_TOKENS, GA_SAMPLES), (SCHED, SCHED_SAMPLES), (MICRO, MICRO_SAMPLES)]
 
 def bench_ops(skipped)->dict:
     "ATen ops of a 1-epoch fit (after a warm-up fit), per micro-batch, counted with a `TorchDispatchMode`: 'auto' against 'samples'"
@@ -528,10 +534,12 @@ def report(res:dict)->tuple[str,str]:
                  ', '.join(f'{n:+.2f} {name}' for name,n in v['extra'].items())] for k,v in op.items()]
         out += ["### ATen ops per micro-batch: 'auto' against 'samples'", '',
                 "Every ATen op of a 1-epoch fit (forward, loss, backward, optimizer, the library's bookkeeping), counted with a "
-                "`TorchDispatchMode` and divided by the micro-batches: what 'auto' (counting the non-ignored targets on the "
-                "device, weighting each micro-batch by them, scaling the step) runs beyond 'samples'. Unlike a time, it does not "
-                "depend on the machine's load.", '',
-                md_table(['callbacks', "'auto'", "'samples'", 'extra', 'extra ops, per micro-batch'], rows), '']
+                "`TorchDispatchMode` and divided by the micro-batches: what 'auto' (GradientAccumulation: reading each micro-batch's "
+                "count from its cross-entropy, weighting the loss by it, adding the window's counts and scaling the step; "
+                "MicroBatching: counting each micro-batch's non-ignored targets on the device first) runs beyond 'samples'. "
+                "`normalize_by=TokenCount()` counts the same targets as 'auto' does here, on the device, as 'auto' did before "
+                "it read them from the loss. Unlike a time, it does not depend on the machine's load.", '',
+                md_table(['callbacks (A / B)', 'A', 'B', 'A - B', 'A - B, by op, per micro-batch'], rows), '']
     ex = res.get('exact')
     if ex:
         rows = [[k, v.get('reference', '-'), f"{v['max_param_diff']:.1e}" if 'max_param_diff' in v else v.get('error'),
