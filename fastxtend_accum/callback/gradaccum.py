@@ -261,7 +261,7 @@ class GradientAccumulation(BatchSplitter):
     def _end_micro_batch(self):
         "Once per micro-batch, after its backward or its cancel: a stand-in backward where the engine needs one, then the window's step"
         r = self.windows
-        w = r.window
+        w,r.mb_batch = r.window,None # the batch a count waited on is not held past its micro-batch
         if w is None or w.mb_done: return
         w.mb_done = True
         if not w.backward_ran and r.sync.needs_stand_in(r.syncs): self._stand_in()
