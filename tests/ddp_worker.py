@@ -20,7 +20,7 @@ BUCKETS = [[16]*8, [8]*7 + [72]]
 
 def fastai_distributed():
     """`fastai.distributed` (it needs `accelerate`, pinned in the lock files), with `DistributedDL` broadcasting the
-    epoch's sample order on the CPU under gloo (fastai sends it with `.cuda()`)"""
+    epoch's sample order on the CPU under gloo (fastai sends it with `.cuda()`), and fastai's loaders without worker processes"""
     import accelerate
     import fastai.distributed as fd
     def _broadcast(self, t, rank):
@@ -29,7 +29,21 @@ def fastai_distributed():
         dist.broadcast(t, rank)
         return t.cpu().tolist()
     fd.DistributedDL._broadcast = _broadcast
+    # fastai's loaders start `defaults.cpus` workers (2 here) by fork, from a process whose gloo and queue-feeder threads
+    # run: now and then a worker is born holding a lock one of them held and never delivers a batch. Its process waits on
+    # the loader forever and the peer times out in a collective (1 launch in about 25 on this machine; every thread's stack,
+    # printed on SIGTERM, shows it in `DataLoader.__next__`). Not the library's to fix; a forkserver would need picklable
+    # loaders (the tests' `TrainingRecord` is not). The workers' loaders load in the process: fastai's defaults otherwise.
+    from fastai.torch_core import defaults
+    defaults.cpus = 0
     return fd,f'accelerate {accelerate.__version__}'
+
+def exit_worker():
+    """End a worker once its results are written and every process passed its last barrier: `os._exit(0)`, without the
+    interpreter's teardown, in which gloo's threads behind a DDP model can abort the process ("terminate called without an
+    active exception", SIGABRT, after everything ran: 1 launch in about 15 here, even after `destroy_process_group`)"""
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
 
 class CountAllReduce(Callback):
     """Count the DDP model's gradient all-reduces with a communication hook (registered after `DistributedTrainer` wraps
@@ -266,6 +280,8 @@ def run_case(case, out, rank):
                os.path.join(out, f'{case}-rank{rank}.pt'))
 
 def main(out, cases):
+    import faulthandler, signal # a launcher stopping a stuck process (SIGTERM): every thread's stack in the test's output
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     torch.set_num_threads(1)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     _,kind = fastai_distributed()
@@ -276,4 +292,6 @@ def main(out, cases):
     for case in cases: run_case(case, out, rank)
     dist.barrier(); dist.destroy_process_group() # gloo torn down before exit: else its threads can abort it
 
-if __name__ == '__main__': main(sys.argv[1], sys.argv[2].split(',') if len(sys.argv) > 2 else CASES)
+if __name__ == '__main__':
+    main(sys.argv[1], sys.argv[2].split(',') if len(sys.argv) > 2 else CASES)
+    exit_worker() # no teardown for gloo's threads to abort

@@ -94,4 +94,6 @@ def main(out:str, cases:list[str]):
     for case in cases: run_case(case, out, world, rank)
     if world > 1: dist.barrier(); dist.destroy_process_group() # gloo torn down before exit: else its threads can abort it
 
-if __name__ == '__main__': main(sys.argv[1], sys.argv[2].split(','))
+if __name__ == '__main__':
+    main(sys.argv[1], sys.argv[2].split(','))
+    W.exit_worker() # no teardown for gloo's threads to abort

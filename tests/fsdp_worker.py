@@ -297,4 +297,6 @@ def main(out:str, cases:list[str]):
         dist.barrier()
     dist.destroy_process_group()
 
-if __name__ == '__main__': main(sys.argv[1], sys.argv[2].split(',') if len(sys.argv) > 2 else CASES)
+if __name__ == '__main__':
+    main(sys.argv[1], sys.argv[2].split(',') if len(sys.argv) > 2 else CASES)
+    from ddp_worker import exit_worker; exit_worker() # no teardown for gloo's threads to abort

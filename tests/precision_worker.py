@@ -58,4 +58,6 @@ def main(out:str):
     for case in CASES: torch.save(run(case, rank), os.path.join(out, f'{case}-rank{rank}.pt'))
     dist.destroy_process_group()
 
-if __name__ == '__main__': main(sys.argv[1])
+if __name__ == '__main__':
+    main(sys.argv[1])
+    from ddp_worker import exit_worker; exit_worker() # no teardown for gloo's threads to abort

@@ -60,4 +60,6 @@ def main(out:str, tag:str, phase:str):
                    os.path.join(out, f'{tag}-{phase}-w{world}.pt'))
     if world > 1: dist.barrier(); dist.destroy_process_group() # gloo torn down before exit: else its threads can abort it
 
-if __name__ == '__main__': main(*sys.argv[1:4])
+if __name__ == '__main__':
+    main(*sys.argv[1:4])
+    W.exit_worker() # no teardown for gloo's threads to abort

@@ -265,4 +265,6 @@ def main(out, cases):
         if rank == 0: print(f'{case}: done', flush=True)
     if dist.is_initialized(): dist.barrier(); dist.destroy_process_group()
 
-if __name__ == '__main__': main(sys.argv[1], sys.argv[2].split(',') if len(sys.argv) > 2 else (BEFORE_CASES if BEFORE else CASES))
+if __name__ == '__main__':
+    main(sys.argv[1], sys.argv[2].split(',') if len(sys.argv) > 2 else (BEFORE_CASES if BEFORE else CASES))
+    from ddp_worker import exit_worker; exit_worker() # no teardown for gloo's threads to abort

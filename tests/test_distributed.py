@@ -21,7 +21,9 @@ TIMEOUT = 180 # seconds for a whole launch; a collective that hangs fails after 
 def launch(cmd, out, cases, env=ENV):
     "Run a launcher command to its end (bounded), and what each rank wrote, by case"
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=os.path.dirname(HERE))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    # a process the launcher stopped prints its threads' stacks (`faulthandler` in the worker): where it was stuck
+    stacks = p.stderr[p.stderr.find('Thread 0x'):][:6000] if 'Thread 0x' in p.stderr else ''
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:] + stacks
     return {c: [torch.load(out/f'{c}-rank{r}.pt') for r in range(2)] for c in cases},p.stdout
 
 @pytest.fixture(scope='module')
