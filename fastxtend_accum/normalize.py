@@ -27,7 +27,7 @@ class TokenCount:
     "Count the targets that are not `ignore_index`: for losses that average over non-padding tokens"
     counts_valid = True # a count of targets: finite and non-negative, no check per window needed
     zero_nan = False # all padding: PyTorch's cross-entropy gives zero gradients
-    loss_denominator = True # what a cross-entropy divides by: 'auto' may read it from the loss (`loss_items`)
+    from_loss = True # what a cross-entropy divides by: 'auto' may read it from the loss (`loss_items`)
     def __init__(self, ignore_index:int=-100): store_attr()
     def __call__(self, xb:tuple, yb:tuple)->Tensor: return (yb[0] != self.ignore_index).sum(dtype=torch.float64) # on device: no sync
     def __repr__(self): return f'TokenCount(ignore_index={self.ignore_index})'
@@ -36,7 +36,7 @@ class TokenCount:
 class WeightedTargetCount:
     "Sum the class weights of the targets that are not `ignore_index`: what a class-weighted cross-entropy averages by"
     counts_valid = True # a sum of weights checked finite and non-negative once, when the counter is made
-    loss_denominator = True # what a cross-entropy divides by: 'auto' may read it from the loss (`loss_items`)
+    from_loss = True # what a cross-entropy divides by: 'auto' may read it from the loss (`loss_items`)
     def __init__(self,
         weight:Tensor, # The loss's class weights, one per class
         ignore_index:int=-100, # The loss's ignore_index

@@ -137,7 +137,9 @@ class BatchSplitter(Callback):
         pred = self.learn.pred
         for t in (pred if is_listy(pred) else [pred]):
             if isinstance(t, Tensor) and t.requires_grad: t.register_hook(lambda g: torch.where(c > 0, g, 0.))
+    def _grads(self)->list:
+        "The gradients the model holds: what a window's scale multiplies"
+        return [p.grad for p in self._learn.model.parameters() if p.grad is not None]
     def _zero_grads(self):
         "Zero every gradient the model holds: nothing of a dropped window is left for the next"
-        for p in self._learn.model.parameters():
-            if p.grad is not None: p.grad.zero_()
+        for g in self._grads(): g.zero_()

@@ -109,6 +109,15 @@ class Window:
         if self.sum_reduced: return 1
         return items/self.ref
 
+    def weighted(self,
+                 loss:Tensor, # The micro-batch's loss, after every `before_backward` callback
+                 items, # What it averages over
+                )->Tensor:
+        "`loss` times its weight, in the loss's dtype: a count or rho on the device stays there (no sync)"
+        wt = self.weight(items)
+        if isinstance(wt, Tensor): return loss*wt.to(loss.dtype)
+        return loss if wt == 1 else loss*wt
+
     def add_backward(self,
                      samples:int, # Samples in the micro-batch
                      items, # What its loss averages over
@@ -278,7 +287,7 @@ class Windows:
     @property
     def reads_loss(self)->bool:
         "Whether a micro-batch's count can be read from its loss: `'auto'` counting what a cross-entropy divides by"
-        return self.auto is not None and getattr(self.counter, 'loss_denominator', False)
+        return self.auto is not None and getattr(self.counter, 'from_loss', False)
     @property
     def checks_counts(self)->bool:
         "Whether the counts are checked at the step: a user's counter's; not this library's, valid as they are made"

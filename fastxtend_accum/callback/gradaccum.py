@@ -198,10 +198,11 @@ class GradientAccumulation(BatchSplitter):
         w = r.window
         # counts other than samples stay on the device (no sync), in float64 so that weights and correction cancel exactly;
         # 'auto' reads a cross-entropy's from its loss at the backward (no op), but for the rate the processes agree on first
+        sets_rate = r.rate is None and r.sync.world_size > 1 and not r.by_samples # the fit's first micro-batch, every process
         if r.by_samples: r.mb_items = n
-        elif r.reads_loss and (r.rate is not None or r.sync.world_size == 1): r.mb_items,r.mb_batch = None,(learn.xb, learn.yb)
+        elif r.reads_loss and not sets_rate: r.mb_items,r.mb_batch = None,(learn.xb, learn.yb)
         else: r.mb_items = check_count(self.normalize_by, r.counter(learn.xb, learn.yb))
-        if r.rate is None and r.sync.world_size > 1 and not r.by_samples: # the fit's first micro-batch, on every process
+        if sets_rate:
             c,m = r.sync.sum(r.mb_items, n)
             r.rate = c/m # items per sample over all processes: the first window's rho, the same everywhere
         if r.plan is not None and n != r.plan.sizes[learn.iter] and not r.count_globally:
@@ -249,10 +250,7 @@ class GradientAccumulation(BatchSplitter):
         w = r.window
         if w.ref is None and not w.sum_reduced: w.ref = r.ref()
         c = r.mb_items
-        wt = w.weight(c)
-        lg = learn.loss_grad
-        if isinstance(wt, Tensor): learn.loss_grad = lg*wt.to(lg.dtype) # loss_i * items_i/rho, on the device: no sync
-        elif wt != 1: learn.loss_grad = lg*wt
+        learn.loss_grad = w.weighted(learn.loss_grad, c) # loss_i * items_i/rho, on the device: no sync
         if r.guards_zero: self._zero_guard(c)
         learn._backward()
         w.add_backward(r.mb_samples, c, learn.loss.detach())
@@ -360,8 +358,6 @@ class GradientAccumulation(BatchSplitter):
         r.fgrads.drop()
         if self._learn is not None: self._zero_grads()
         r.window.done = True
-
-    def _grads(self): return [p.grad for p in self._learn.model.parameters() if p.grad is not None]
 
     # said once
     def _check_bn(self, n:int|None=None):

@@ -282,7 +282,7 @@ class MicroBatching(BatchSplitter):
         scale = w.scale(sync.world_size, c) if sync.world_size > 1 else None
         # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
         if not self.fgrads.to_grads(scale, sync) and scale is not None:
-            scale_grads([p.grad for p in learn.model.parameters() if p.grad is not None], scale)
+            scale_grads(self._grads(), scale)
 
     def _run_micro_batches(self, mbs, spans, sizes, counts, w, rows, mix):
         learn,k = self.learn,len(sizes)
@@ -312,8 +312,7 @@ class MicroBatching(BatchSplitter):
         learn = self.learn
         if w is not None and not isinstance(c, Tensor) and not c: learn.loss_grad = _zero_loss(learn.pred) # no items: an exact 0
         elif w is not None: # items_i/rho (1 for a loss that sums), on the device where the count or rho is: no sync
-            wt = w.weight(c)
-            learn.loss_grad = learn.loss_grad*(wt.to(learn.loss_grad.dtype) if isinstance(wt, Tensor) else wt)
+            learn.loss_grad = w.weighted(learn.loss_grad, c)
             if isinstance(c, Tensor) and guards_zero(self.counter): self._zero_guard(c) # a count of 0: no NaN
         if learn.loss_grad is not None: learn._backward()
         if w is not None and size: w.add_backward(size, c, learn.loss.detach())
