@@ -96,18 +96,34 @@ def sum_loss_runs(name, cb='ga'):
     else: accum = fit(digits_learner(MICRO, n_train=N_TRAIN, loss_func=lf(), cbs=GradientAccumulation(ACCUM)), lr=lr)
     return large,accum
 
-def image_digits_learner(bs, cbs=()):
-    "Digits as 1x8x8 float32 images (what CutMix cuts; MixUp's `lam` is float32), fastai's CrossEntropyLossFlat (MixUp needs its `y_int`)"
-    x,y = digits_data(torch.float32)
+class CrossEntropy64(nn.CrossEntropyLoss):
+    "PyTorch's cross-entropy (float64 for a float64 model) with fastai's `y_int`: MixUp and CutMix then mix the losses"
+    y_int = True
+
+def image_digits_learner(bs, cbs=(), float64=False):
+    """Digits as 1x8x8 images (what CutMix cuts): float32 with fastai's CrossEntropyLossFlat (MixUp needs its `y_int`), or
+    float64 with `CrossEntropy64`"""
+    dtype = torch.float64 if float64 else torch.float32
+    x,y = digits_data(dtype)
     x = x.view(-1, 1, 8, 8)
     trn,val = Samples(zip(x[:N_TRAIN], y[:N_TRAIN])),Samples(zip(x[-200:], y[-200:]))
     dls = DataLoaders(FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=200, device='cpu'), device='cpu')
-    return Learner(dls, nn.Sequential(nn.Flatten(), digits_mlp(dtype=torch.float32)), loss_func=CrossEntropyLossFlat(), opt_func=SGD, lr=0.1,
-                   cbs=list(cbs))
+    return Learner(dls, nn.Sequential(nn.Flatten(), digits_mlp(dtype=dtype)), loss_func=CrossEntropy64() if float64 else CrossEntropyLossFlat(),
+                   opt_func=SGD, lr=0.1, cbs=([Float64SmoothLoss()] if float64 else []) + list(cbs))
 
-def mix_runs(mix_cls):
+def mix_cb(mix_cls:str, float64=False):
+    "fastai's MixUp or CutMix; in float64 its `lam` drawn in float64 (fastai draws float32; CutMix's from the box, cast after)"
+    from torch.distributions.beta import Beta
     from fastai.callback.mixup import MixUp, CutMix
-    mix = dict(MixUp=MixUp, CutMix=CutMix)[mix_cls]
-    set_seed(1); large = fit(image_digits_learner(ACCUM, [mix()]))
-    set_seed(1); accum = fit(image_digits_learner(ACCUM, [MicroBatching(MICRO), mix()]))
+    class CutMix64(CutMix):
+        def before_batch(self):
+            super().before_batch()
+            self.lam = self.lam.to(torch.float64)
+    m = dict(MixUp=MixUp, CutMix=CutMix64 if float64 else CutMix)[mix_cls]()
+    if float64: m.distrib = Beta(*(torch.tensor(float(a), dtype=torch.float64) for a in (m.distrib.concentration1, m.distrib.concentration0)))
+    return m
+
+def mix_runs(mix_cls, float64=False):
+    set_seed(1); large = fit(image_digits_learner(ACCUM, [mix_cb(mix_cls, float64)], float64))
+    set_seed(1); accum = fit(image_digits_learner(ACCUM, [MicroBatching(MICRO), mix_cb(mix_cls, float64)], float64))
     return large,accum

@@ -1,6 +1,7 @@
 """One process of a 2-process run (torchrun, gloo, CPU) where callbacks cancel micro-batches on every process or on one:
 started by `test_contract.py` as `python -m torch.distributed.run --nproc_per_node=2 tests/contract_worker.py OUT CASES`.
-Each case writes `OUT/<case>-rank<r>.pt`: the parameters (whole), the steps taken, the seconds, or the error raised."""
+Each case writes `OUT/<case>-rank<r>.pt`: the parameters (whole), the steps taken, the seconds, or the error raised, and
+the library's own collectives in the fit (`library_<kind>`: counted by `fsdp_worker.CollectiveCounter`)."""
 import os, sys, time
 import torch, torch.nn as nn, torch.distributed as dist
 from fastai.basics import *
@@ -17,6 +18,7 @@ CASES = {
     'ddp-all-closing-micro':  ('ddp', 'micro_batch', {(None, 0, 3), (None, 1, 11)}, 'after_loss', 0),
     'ddp-one-first':          ('ddp', 'auto', {(1, 0, 0)}, 'before_batch', 0),
     'ddp-one-middle':         ('ddp', 'auto', {(1, 0, 5)}, 'after_loss', 50),
+    'ddp-one-middle-order6':  ('ddp', 'auto', {(0, 0, 6), (1, 1, 1)}, 'before_batch', 6),
     'ddp-one-closing':        ('ddp', 'auto', {(1, 0, 7), (0, 1, 3)}, 'before_batch', 0),
     'ddp-one-closing-micro':  ('ddp', 'micro_batch', {(1, 0, 7)}, 'before_batch', 0),
     'ddp-one-whole-window':   ('ddp', 'auto', {(0, 0, 4), (0, 0, 5), (0, 0, 6), (0, 0, 7)}, 'before_batch', 0),
@@ -24,16 +26,46 @@ CASES = {
     'fsdp2-one-middle':       ('fsdp2', 'auto', {(1, 0, 5)}, 'before_batch', 0),
     'fsdp2-one-closing-window': ('fsdp2', 'window', {(0, 0, 7)}, 'after_loss', 0),
 }
+# the other cases of the contract on 2 processes (no cancel): a term added in before_backward at `order`, a sum-reduced
+# loss, a class weight of 0 (each window's first micro-batch holds only that class); case: (engine, grad_sync, variant)
+OTHER = {'ddp-l2-order0': ('ddp', 'auto', dict(l2=0)), 'ddp-l2-order10': ('ddp', 'auto', dict(l2=10)),
+         'ddp-l2-order60': ('ddp', 'auto', dict(l2=60)), 'ddp-sum': ('ddp', 'auto', dict(reduction='sum', lr=LR/128)),
+         'ddp-zero-weight': ('ddp', 'auto', dict(weight0=3))}
+for k,(e,s,v) in OTHER.items(): CASES[k] = (e, s, set(), 'before_batch', 0, v)
+LAM = 1e-2
+
+def variant(case:str)->dict: return CASES[case][5] if len(CASES[case]) > 5 else {}
+def lr(case:str)->float: return variant(case).get('lr', LR) # a sum's gradient is 128 times the mean's
 
 def cancelled(case:str, rank:int)->set:
     "The (epoch, iter) micro-batches that `rank` cancels in `case`"
     return {(e,i) for r,e,i in CASES[case][2] if r is None or r == rank}
 
-def samples(rank:int)->list:
+def samples(rank:int, case:str|None=None)->list:
     from fastxtend_accum.test_utils import digits_data
     x,y = digits_data()
     n = N_TRAIN//2
-    return list(zip(x[n*rank:n*(rank+1)], y[n*rank:n*(rank+1)]))
+    c = variant(case).get('weight0') if case else None
+    if c is None: return list(zip(x[n*rank:n*(rank+1)], y[n*rank:n*(rank+1)]))
+    # each window: a first micro-batch of class c only (weight 0: loss 0/0 on its own), then others
+    per,nw = ACCUM_BS-MICRO_BS,n//ACCUM_BS
+    cs,other = (y == c).nonzero().squeeze(1)[MICRO_BS*nw*rank:],(y != c).nonzero().squeeze(1)[per*nw*rank:]
+    idx = torch.cat([torch.cat([cs[MICRO_BS*w:MICRO_BS*(w+1)], other[per*w:per*(w+1)]]) for w in range(nw)])
+    return list(zip(x[idx], y[idx]))
+
+def class_weight(case:str):
+    c = variant(case).get('weight0')
+    if c is None: return None
+    w = torch.ones(10, dtype=torch.float64); w[c] = 0
+    return w
+
+def loss_func(case:str): return nn.CrossEntropyLoss(weight=class_weight(case), reduction=variant(case).get('reduction', 'mean'))
+
+class L2Term(Callback):
+    "A regulariser: adds LAM * |params|^2 to the loss in `before_backward`, at `order`"
+    def __init__(self, order): self.order = order
+    def before_backward(self):
+        self.learn.loss_grad = self.learn.loss_grad + LAM*sum((p**2).sum() for p in self.model.parameters())
 
 class Cancel(Callback):
     "Cancel this process's micro-batches `at` in `event`, at `order` (a NaN guard in after_loss, a filter in before_batch)"
@@ -45,21 +77,29 @@ def run(case:str, out:str, rank:int):
     from fastxtend_accum.all import GradientAccumulation
     from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
     from fsdp_worker import shard_model, full_params
-    engine,sync,_,event,order = CASES[case]
+    engine,sync,_,event,order = CASES[case][:5]
+    v = variant(case)
     val = samples(0)[:32]
-    dls = DataLoaders(FastaiDataLoader(samples(rank), bs=MICRO_BS, device='cpu'), FastaiDataLoader(val, bs=32, device='cpu'), device='cpu')
+    dls = DataLoaders(FastaiDataLoader(samples(rank, case), bs=MICRO_BS, device='cpu'), FastaiDataLoader(val, bs=32, device='cpu'), device='cpu')
     model = nn.parallel.DistributedDataParallel(digits_mlp(seed=0)) if engine == 'ddp' else shard_model(digits_mlp(seed=0), engine)
     cb = GradientAccumulation(ACCUM_BS, grad_sync=sync)
-    learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=LR, cbs=[Float64SmoothLoss(), cb, Cancel(cancelled(case, rank), event, order)])
+    extra = [L2Term(v['l2'])] if 'l2' in v else []
+    learn = Learner(dls, model, loss_func=loss_func(case), opt_func=SGD, lr=lr(case), cbs=[Float64SmoothLoss(), cb, Cancel(cancelled(case, rank), event, order), *extra])
+    from fsdp_worker import CollectiveCounter
+    c0 = COUNTER.snapshot()
     t,error = time.perf_counter(),None
     try:
         with learn.no_logging(), learn.no_bar(): learn.fit(N_EPOCH)
     except Exception as e: error = f'{type(e).__name__}: {e}'
-    res = dict(seconds=time.perf_counter()-t, error=error)
+    lib = {k: v for k,v in CollectiveCounter.delta(c0, COUNTER.snapshot()).items() if k.startswith('library_')}
+    res = dict(seconds=time.perf_counter()-t, error=error, library=lib)
     if error is None: res.update(params=full_params(learn.model), n_steps=cb.n_steps)
     torch.save(res, os.path.join(out, f'{case}-rank{rank}.pt'))
 
 def main(out:str, cases:list[str]):
+    global COUNTER
+    from fsdp_worker import CollectiveCounter
+    COUNTER = CollectiveCounter().install() # the library's own collectives (its direct caller is a fastxtend_accum module), per case
     torch.set_num_threads(1)
     from datetime import timedelta
     dist.init_process_group('gloo', timeout=timedelta(seconds=PG_TIMEOUT))

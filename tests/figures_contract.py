@@ -38,6 +38,7 @@ if __name__ == '__main__':
     for k in SUM_LOSSES:
         for cb in ('ga', 'mb', 'schedule'): show(f'{k}, {cb}', lambda: sum_loss_runs(k, cb))
     for m in ('MixUp', 'CutMix'): show(f'MicroBatching with {m}', lambda: mix_runs(m))
+    for m in ('MixUp', 'CutMix'): show(f'MicroBatching with {m}, float64', lambda: mix_runs(m, float64=True))
     class Zero:
         def __call__(self, xb, yb): return 0
     error('normalize_by returns 0 for every micro-batch', lambda: fit(digits_learner(MICRO, n_train=N_TRAIN, cbs=GradientAccumulation(ACCUM, normalize_by=Zero()))))
