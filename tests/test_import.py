@@ -44,3 +44,12 @@ def test_import_in_a_jupyter_kernel_prints_nothing():
     assert nb.cells[0].outputs == [], nb.cells[0].outputs
     # the control: fastai.distributed itself does print it here, so the check above could fail
     assert any('IProgress' in ''.join(o.get('text', '')) for o in nb.cells[1].outputs), nb.cells[1].outputs
+
+def test_window_module_imports_nothing_from_fastai():
+    "Issue 23: the window module is fastai-free (nor does it pull fastai or fastcore in through what it imports)"
+    python('''
+        import sys
+        import fastxtend_accum.window
+        loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('fastai', 'fastcore', 'fastprogress'))
+        assert not loaded, loaded
+    ''')
