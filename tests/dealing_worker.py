@@ -8,7 +8,8 @@ Cases: `ga` (`GradientAccumulation(64, global_bs=True)`, micro-batches of 8, 1,0
 `gas` (`GradientAccumulationSchedule(32, 128, start=1, finish=1, global_bs=True)`, 1,024 samples), `ga_keep` (`ga` on a loader
 that keeps its last partial batch: 1,000 samples, the last window holds 40), `ga_contiguous` (`ga` with `deal_windows=False`:
 fastai's contiguous shares, as before) and `large`, `large_keep` (one process, batches of 64, no accumulation: the
-references).
+references), `gas_large` (one process, no accumulation, batches of the schedule's size: 32 in epoch 0, 128 in epoch 1; the
+schedule's reference).
 
 The `sampler` cases train on a PyTorch `DataLoader` over this process's `DistributedSampler` (shuffled, seed 0, `set_epoch`
 each epoch), the model wrapped in `DistributedDataParallel` by hand (no `distrib_ctx`): `sampler` (`ga` on it, the
@@ -24,7 +25,8 @@ sys.path.insert(0, HERE)
 import ddp_worker as W
 
 N_EPOCH,LR,MICRO_BS,ACCUM_BS = 2,0.1,8,64
-N = {'gas': 1024, 'sampler': 1023, 'sampler_contiguous': 1023, 'sampler_large': 1023} # training samples; 1,000 in the others
+GAS_BS = [32, 128] # the `gas` case's window size in epochs 0 and 1 (`start=1, finish=1`)
+N = {'gas': 1024, 'gas_large': 1024, 'sampler': 1023, 'sampler_contiguous': 1023, 'sampler_large': 1023} # training samples; 1,000 in the others
 
 class Steps(Callback):
     "Each optimizer step's samples (over all processes) and lr, by epoch; each epoch's training loader (its sampler's class)"
@@ -32,10 +34,18 @@ class Steps(Callback):
     def before_fit(self): self.taken,self.loaders = [],[]
     def before_train(self): self.loaders.append((type(getattr(self.dl, 'sampler', None)).__name__, id(self.dl))) # after the dealing
     def before_step(self):
+        import fastxtend_accum
+        if not os.path.exists(os.path.join(os.path.dirname(fastxtend_accum.__file__), 'patches.py')): # a library before the
+            return self.taken.append((self.epoch, find_bs(self.yb), float(self.opt.hypers[-1]['lr']))) # redesign: this process's batch
         from fastxtend_accum.patches import accum_callback
         cb = accum_callback(self.learn)
         n = find_bs(self.yb) if cb is None else cb.windows.sync.sum(cb.windows.window.samples).item()
         self.taken.append((self.epoch, int(n), float(self.opt.hypers[-1]['lr'])))
+
+class EpochBs(Callback):
+    "No accumulation: each epoch's batches hold the samples the schedule's windows hold in that epoch (the loader's `bs`)"
+    def __init__(self, sizes): self.sizes = sizes
+    def before_epoch(self): self.dls.train.bs = self.sizes[self.epoch]
 
 class SetEpoch(Callback):
     "What a PyTorch loop does with a `DistributedSampler`: `set_epoch`, so that each epoch shuffles anew"
@@ -56,7 +66,7 @@ def learner(case:str, world:int=1, rank:int=0):
     n = N.get(case, 1000)
     trn,val = Samples(zip(x[:n], y[:n])),Samples(zip(x[-256:], y[-256:]))
     set_seed(0) # the same shuffle for any batch size
-    bs = ACCUM_BS if 'large' in case else MICRO_BS
+    bs = GAS_BS[0] if case == 'gas_large' else ACCUM_BS if 'large' in case else MICRO_BS
     dls = DataLoaders.from_dsets(trn, val, bs=bs, device='cpu', num_workers=0)
     if case.startswith('sampler'): dls = sampler_dls(trn, val, bs, case, world, rank)
     elif case.endswith('_keep'): dls.train.drop_last = False
@@ -68,7 +78,8 @@ def learner(case:str, world:int=1, rank:int=0):
            'ga': lambda: [GradientAccumulation(ACCUM_BS, global_bs=True)],
            'ga_keep': lambda: [GradientAccumulation(ACCUM_BS, global_bs=True)],
            'ga_contiguous': lambda: [GradientAccumulation(ACCUM_BS, global_bs=True, deal_windows=False)],
-           'gas': lambda: [GradientAccumulationSchedule(32, 128, start=1, finish=1, global_bs=True)]}[case]()
+           'gas': lambda: [GradientAccumulationSchedule(*GAS_BS, start=1, finish=1, global_bs=True)],
+           'gas_large': lambda: [EpochBs(GAS_BS)]}[case]()
     if case.startswith('sampler'): cbs += [SetEpoch()] + ([W.DDPWrap()] if world > 1 else [])
     return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=LR,
                    cbs=[Float64SmoothLoss(), Steps()] + cbs)

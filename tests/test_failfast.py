@@ -7,9 +7,11 @@ import pytest
 from test_distributed import free_port, ENV, HERE
 
 WORKER = os.path.join(HERE, 'failfast_worker.py')
-PG_TIMEOUT = 60 # the process-group timeout: a peer that waited for it would take a minute, not seconds
-LAUNCH_TIMEOUT = 150
-STOP_WITHIN = 20 # seconds from the failure to each other process's error (measured 5-8 s on a loaded 2-core machine: GRACE_S, 3 s, then the failing process exits)
+PG_TIMEOUT = 120 # the process-group timeout: a peer that waited for it would take two minutes, not seconds
+LAUNCH_TIMEOUT = 240
+# seconds from the failure to each other process's error: GRACE_S (10 s), then the failing process exits (measured 13.6-15.9 s
+# at load 6 on 2 cores; launches took 34-52 s, so a 60 s timeout and a 20 s bound left little margin on a loaded CI machine)
+STOP_WITHIN = 30
 
 def launch(tmp_path, case, fail_rank, n):
     # torchrun ends the other workers when one exits: checked every 15 s here, so a peer raises and records its error first

@@ -1,6 +1,8 @@
 """Resuming a long run: a fit resumed with `start_epoch` from fastai's checkpoints (`SaveModelCallback(every_epoch=True,
 with_opt=True)`) equals the uninterrupted fit, for each of the library's callbacks, when the training loader's own shuffle
-state is restored too; without it the resumed epochs reshuffle differently, and the weights end measurably apart."""
+state is restored too; without it the resumed epochs reshuffle differently, and the weights end measurably apart.
+`ResumeCheckpoint` does it all in one callback: the same script cut and started again equals the uninterrupted fit, for
+each callback and for a schedule cut in the middle of its ramp (across numbers of processes: `test_resume_anywhere.py`)."""
 import pytest, torch
 from fastai.basics import *
 from fastai.callback.tracker import SaveModelCallback
@@ -60,3 +62,37 @@ def test_resume_is_exact_with_the_shuffle_restored(name, tmp_path):
           f"loader's shuffle state restored, {off:.2g} without")
     assert exact < 1e-12
     assert off > 1e-4 # the test has teeth: the same checkpoint, another shuffle
+
+class Steps(Callback):
+    "Each optimizer step's epoch and lr"
+    order = 7
+    def before_fit(self): self.lrs = []
+    def before_step(self): self.lrs.append((self.epoch, float(self.opt.hypers[-1]['lr'])))
+
+RESUME_CALLBACKS = dict(CALLBACKS, **{'GradientAccumulationSchedule mid-ramp':
+                                      (16, lambda: GradientAccumulationSchedule(32, 128, start=0.2, finish=0.8))})
+
+@pytest.mark.parametrize('name', list(RESUME_CALLBACKS))
+def test_resume_checkpoint_is_exact(name, tmp_path):
+    """`ResumeCheckpoint` (issue 24) on one process: the same script cut after epoch 1 and started again continues the
+    uninterrupted fit, for each callback; the schedule cut in the middle of its ramp takes up its size where it stopped"""
+    from fastxtend_accum.resume import ResumeCheckpoint
+    bs,cb = RESUME_CALLBACKS[name]
+    def script(path, *extra):
+        learn = Learner(digits_default_dls(bs), digits_mlp(), loss_func=nn.CrossEntropyLoss(), path=path,
+                        cbs=[Float64SmoothLoss(), cb(), ResumeCheckpoint('run'), Steps()])
+        with learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(N_EPOCH, 1e-2, cbs=list(extra))
+        return learn
+    whole = script(tmp_path/'whole')
+    script(tmp_path/'cut', StopAfter(STOP-1))
+    resumed = script(tmp_path/'cut')
+    n = len(resumed.steps.lrs)
+    d = max_param_diff(whole, resumed)
+    print(f'{name}: ResumeCheckpoint, cut after epoch {STOP-1} and resumed, {n} steps: max |param diff| from the uninterrupted fit {d:.2g}')
+    assert [e for e,_ in resumed.steps.lrs] == [e for e,_ in whole.steps.lrs[-n:]] and {e for e,_ in resumed.steps.lrs} == {STOP, STOP+1}
+    assert max(abs(a[1]-b[1]) for a,b in zip(resumed.steps.lrs, whole.steps.lrs[-n:])) < 1e-12
+    sizes = lambda l: l.recorder.hps.get('accum_bs') if hasattr(l.recorder, 'hps') else None
+    if 'Schedule' in name: # the sizes of the resumed windows: the uninterrupted fit's last ones (mid-ramp: still moving)
+        s,w = sizes(resumed),sizes(whole)
+        assert s == w[-len(s):] and ('mid-ramp' not in name or len(set(s)) > 2), (s, w)
+    assert d < 1e-12
