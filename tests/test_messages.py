@@ -2,6 +2,7 @@
 this file's, through fastai's event dispatch), the BatchNorm warning names the fix for the learner at hand, and an
 `accum_bs` smaller than a micro-batch says that it counts samples. Real fits: digits, breast cancer, CPython's help text."""
 import sys, warnings
+import pytest
 import pandas as pd
 from fastai.basics import *
 from fastai.tabular.all import TabularDataLoaders, tabular_learner, tabular_config, Normalize, CategoryBlock
@@ -127,3 +128,44 @@ def test_auto_ignored_targets_warning_names_the_users_line():
     ign = ours(ws, 'the targets hold -100')
     assert len(ign) == 1 and f'{DOCS_URL}#ignored' in str(ign[0].message), [str(o.message) for o in ws]
     assert_at(ign[0], line)
+
+def _bf16_sums(): # accum_dtype=None on a model held in bfloat16: windows of 16 micro-batches summed in 16 bits
+    x = digits_dls(8, n_train=8*16*2, dtype=torch.bfloat16)
+    return Learner(x, digits_mlp(32, dtype=torch.float32).to(torch.bfloat16), loss_func=lambda o,y: F.cross_entropy(o, y).float(),
+                   opt_func=SGD, cbs=GradientAccumulation(8*16, accum_dtype=None))
+
+def _sizes_unknown(): # a batch sampler that cannot be copied (it holds a lock): its sizes cannot be read ahead
+    import threading
+    class Unmeasurable(torch.utils.data.BatchSampler):
+        def __init__(self, *args): super().__init__(*args); self.lock = threading.Lock()
+    learn = digits_learner(16, n_train=200, cbs=GradientAccumulation(64))
+    x,y = digits_data()
+    learn.dls.train = torch.utils.data.DataLoader(list(zip(x[:200], y[:200])), batch_sampler=Unmeasurable(range(200), 16, False))
+    return learn
+
+def _smoothing_with_weights():
+    from fastai.losses import LabelSmoothingCrossEntropyFlat
+    learn = digits_learner(16, n_train=320, dtype=torch.float32, cbs=GradientAccumulation(64))
+    learn.loss_func = LabelSmoothingCrossEntropyFlat(weight=torch.ones(10))
+    return learn
+
+# the other warnings of the library a one-process fit can give: (learner, words of the message, troubleshooting id)
+OTHER_WARNINGS = {
+    'accum-dtype': (_bf16_sums, 'accum_dtype=None) summed a window of 16', 'accum-dtype'),
+    'empty': (lambda: digits_learner(16, n_train=64, drop_last=True, cbs=GradientAccumulation(128, drop_last=True)), 'no step', 'empty'),
+    'past-start': (lambda: digits_learner(16, n_train=320, cbs=GradientAccumulationSchedule(32, 64, start=3, finish=4)),
+                   '`start`=3 is past the end', 'past-start'),
+    'not-a-multiple': (lambda: digits_learner(16, n_train=320, cbs=GradientAccumulationSchedule(40, 64)),
+                       '`start_accum_bs`=40 is not a multiple', 'start_accum_bs'),
+    'noplan': (_sizes_unknown, 'not known ahead', 'noplan'),
+    'ls-weight': (_smoothing_with_weights, 'with class weights', 'ls-weight'),
+}
+
+@pytest.mark.parametrize('case', OTHER_WARNINGS)
+def test_other_warnings_name_the_users_line(case):
+    "Every other warning a fit on one process can give: at the user's `learn.fit` line, with its troubleshooting link"
+    make,words,id = OTHER_WARNINGS[case]
+    ws,line = fit_warnings(make())
+    got = ours(ws, words)
+    assert len(got) == 1 and f'{DOCS_URL}#{id}' in str(got[0].message), [str(o.message) for o in ws]
+    assert_at(got[0], line)
