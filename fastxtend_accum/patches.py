@@ -62,17 +62,19 @@ class AccumView(Protocol):
     def grad_opt(self): "fastai's `_do_grad_opt` for a micro-batch"
     def end_fit(self): "However the fit ended: no gradients, nothing patched left behind"
 
+def _items(cbs): return cbs.items if type(cbs) is L else cbs # a plain list to iterate: `L.__iter__` costs a call
+
 def accum_callback(learn:Learner, # The Learner whose callbacks to look through
                   )->AccumView|None:
     "The accumulation callback on `learn` that is inside a fit (training or validating), if any"
     # `vars`, not `getattr`: on fastai's callbacks a missing attribute falls through to the Learner and its model, which
     # costs tens of microseconds, and this runs for every micro-batch
-    for cb in learn.cbs:
+    for cb in _items(learn.cbs):
         if vars(cb).get('accumulating'): return cb
 
 def batch_taker(learn:Learner)->AccumView|None:
     "The callback on `learn` that takes the training batches over (`MicroBatching`), inside a fit"
-    for cb in learn.cbs:
+    for cb in _items(learn.cbs):
         if vars(cb).get('taking_batches'): return cb
 
 def accum_logger(learn:Learner, # The Learner whose callbacks to look through
@@ -165,7 +167,10 @@ class _Dispatch:
         self.order,self.hows = None,{}
     def running(self)->bool:
         "Whether a callback that splits batches runs a fit (`accumulating`; `MicroBatching`: `taking_batches`)"
-        return any((d := vars(cb)).get('accumulating') or d.get('taking_batches') for cb in self.splitters)
+        for cb in self.splitters:
+            d = cb.__dict__
+            if d.get('accumulating') or d.get('taking_batches'): return True
+        return False
     def __call__(self, items:list, event_name:str):
         "fastai's `_call_one` and `Callback.__call__`: the same callbacks, in the same order, with the same run checks"
         order = sorted(items, key=_order) # re-read at each event: a callback added or removed is seen from the next
@@ -198,8 +203,10 @@ def _dispatch(learn:Learner, event_name)->_Dispatch|None:
 @replaces(Learner, "one event name: no `L` built for it, while accumulating")
 def __call__(self:Learner, event_name):
     "fastai's; while a fit accumulates, an event's name goes straight to `_call_one`"
-    if isinstance(event_name, str) and _dispatch(self, event_name) is not None: self._call_one(event_name)
-    else: fastai_method(Learner, '__call__')(self, event_name)
+    p = _dispatch(self, event_name) if isinstance(event_name, str) else None
+    if p is None: fastai_method(Learner, '__call__')(self, event_name)
+    elif type(self)._call_one is _call_one: p(self.cbs.items, event_name) # what `_call_one` below does
+    else: self._call_one(event_name) # a Learner class of its own
 
 @replaces(Learner, "callbacks called at each event without resolving the events they lack again, while accumulating")
 def _call_one(self:Learner, event_name):
