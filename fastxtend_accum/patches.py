@@ -103,6 +103,7 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, star
         peer = stop_peers(e) # several processes: the others stop now, told why
         if peer is not None: raise peer from e
         raise
+    finally: _plans.pop(self, None) # the event dispatch's record of the callbacks (it holds them, and they the Learner)
 
 @replaces(Learner, "a micro-batch counts where the loader yields it; the engine's policy held for its forward and backward")
 def one_batch(self:Learner, i, b):
@@ -181,8 +182,9 @@ class _Dispatch:
         for cb,how,on_class in hows:
             if how == _FASTAI: cb(event_name); continue
             if how == _SKIP and event_name not in cb.__dict__: continue
-            if not (cb.run and (not inner or (cb.run_train and _training(cb, on_class, True))
-                                or (cb.run_valid and not _training(cb, on_class, False)))): continue
+            # fastai's checks, read in its order
+            run = not inner or (cb.run_train and _training(cb, on_class, True)) or (cb.run_valid and not _training(cb, on_class, False))
+            if not (cb.run and run): continue
             try: getattr(cb, event_name)()
             except _CANCELS: raise
             except Exception as e:

@@ -133,15 +133,17 @@ def test_same_calls_as_fastai(name):
     assert max_param_diff(lf, ls) == 0
     test_eq(lf.recorder.values, ls.recorder.values)
     assert lf.stops.run and ls.stops.run # after_fit set it back
+    assert lf not in patches._plans
 
 @pytest.mark.parametrize('name', list(SPLITTERS))
 def test_same_exception_as_fastai(name):
-    fast,_,ef = fit_logged(SPLITTERS[name](), boom=Boom())
+    fast,lf,ef = fit_logged(SPLITTERS[name](), boom=Boom())
     with fastai_dispatch(): slow,_,es = fit_logged(SPLITTERS[name](), boom=Boom())
     assert type(ef) is type(es) is ValueError
     test_eq(ef.args, es.args)
     assert ef.args[0] == "Exception occured in `Boom` when calling event `after_pred`:\n\tboom at iteration 4"
     assert fast == slow
+    assert lf not in patches._plans # nothing holds the Learner after a fit that raised
 
 def test_fastai_dispatch_without_accumulation():
     "No accumulation callback: fastai's own dispatch runs every event"
