@@ -4,9 +4,12 @@
 
 # %% ../nbs/patches.ipynb #816d7936
 from __future__ import annotations
-import contextlib, inspect, sys, warnings
+import contextlib, inspect, sys, warnings, weakref
 from typing import Protocol
 from fastai.basics import *
+from fastai.callback.core import _events, _inner_loop
+from fastcore.basics import GetAttr
+from fastcore.xtras import modify_exception
 from fastai.callback.schedule import ParamScheduler, LRFinder
 from fastai.callback.progress import ProgressCallback, ShowGraphCallback
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
@@ -59,17 +62,19 @@ class AccumView(Protocol):
     def grad_opt(self): "fastai's `_do_grad_opt` for a micro-batch"
     def end_fit(self): "However the fit ended: no gradients, nothing patched left behind"
 
+def _items(cbs): return cbs.items if type(cbs) is L else cbs # a plain list to iterate: `L.__iter__` costs a call
+
 def accum_callback(learn:Learner, # The Learner whose callbacks to look through
                   )->AccumView|None:
     "The accumulation callback on `learn` that is inside a fit (training or validating), if any"
     # `vars`, not `getattr`: on fastai's callbacks a missing attribute falls through to the Learner and its model, which
     # costs tens of microseconds, and this runs for every micro-batch
-    for cb in learn.cbs:
+    for cb in _items(learn.cbs):
         if vars(cb).get('accumulating'): return cb
 
 def batch_taker(learn:Learner)->AccumView|None:
     "The callback on `learn` that takes the training batches over (`MicroBatching`), inside a fit"
-    for cb in learn.cbs:
+    for cb in _items(learn.cbs):
         if vars(cb).get('taking_batches'): return cb
 
 def accum_logger(learn:Learner, # The Learner whose callbacks to look through
@@ -98,6 +103,7 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, star
         peer = stop_peers(e) # several processes: the others stop now, told why
         if peer is not None: raise peer from e
         raise
+    finally: _plans.pop(self, None) # the event dispatch's record of the callbacks (it holds them, and they the Learner)
 
 @replaces(Learner, "a micro-batch counts where the loader yields it; the engine's policy held for its forward and backward")
 def one_batch(self:Learner, i, b):
@@ -115,6 +121,101 @@ def _do_grad_opt(self:Learner):
     acc = accum_callback(self) if self.training else None
     if acc is None: return fastai_method(Learner, '_do_grad_opt')(self)
     acc.grad_opt()
+
+# %% ../nbs/patches.ipynb #b7e4a913
+_fastai_cb_call = Callback.__call__ # fastai's: a callback whose class overrides it (or a later patch of it) is called through it
+_CANCELS = (CancelBatchException, CancelBackwardException, CancelEpochException, CancelFitException, CancelStepException,
+            CancelTrainException, CancelValidException) # what fastai's `Callback.__call__` lets through unwrapped
+_EVENTS,_INNER = frozenset(_events),frozenset(_inner_loop)
+_FIT_EVENTS = ('before_fit', 'after_fit') # fastai's own dispatch: what callbacks define is resolved again in each fit
+_SKIP,_OWN,_FASTAI = 0,1,2 # how a callback is called at an event: not at all, its own method, fastai's `cb(event_name)`
+
+_M = object()
+
+def _order(o): return getattr(o, 'order', 0) # `L.sorted('order')`'s key
+
+def _plain(cb)->bool:
+    "Whether `cb` is called by fastai's `Callback.__call__` and its missing attributes fall through to the Learner as `GetAttr`'s do"
+    cls = type(cb)
+    return (isinstance(cb, Callback) and cls.__call__ is _fastai_cb_call and cls.__getattr__ is GetAttr.__getattr__
+            and cls.__getattribute__ is object.__getattribute__ and cls._component_attr_filter is GetAttr._component_attr_filter
+            and cls._default == 'learn' and getattr(cls, '_xtra', None) is None and '_xtra' not in vars(cb))
+
+def _on_class(cls, name:str)->bool: return any(name in vars(k) for k in cls.__mro__)
+
+def _how(cb, event_name:str)->tuple:
+    "(cb, how it is called at `event_name`, whether its class has `training`): missing methods resolved once, as `getcallable` would"
+    if not _plain(cb): return cb,_FASTAI,False
+    cls = type(cb)
+    if _on_class(cls, event_name): return cb,_OWN,_on_class(cls, 'training')
+    # not on the class: `getcallable` falls through to the Learner (and its model); fastai's way if that finds anything
+    learn = cb.learn
+    if learn is not None and getattr(learn, event_name, _M) is not _M: return cb,_FASTAI,False
+    return cb,_SKIP,_on_class(cls, 'training') # `noop`, unless a method is set on the instance later
+
+def _training(cb, on_class:bool, default:bool):
+    "`getattr(cb, 'training', default)` of a plain callback, without `GetAttr`'s raise and catch"
+    if on_class: return getattr(cb, 'training', default)
+    d = cb.__dict__
+    if 'training' in d: return d['training']
+    learn = cb.learn
+    return default if learn is None else getattr(learn, 'training', default)
+
+class _Dispatch:
+    "A Learner's callbacks as last seen, sorted as fastai sorts them, and how each one is called at each event"
+    def __init__(self, items:list):
+        self.key,self.splitters = list(items),[cb for cb in items if _splits_batches(cb)]
+        self.order,self.hows = None,{}
+    def running(self)->bool:
+        "Whether a callback that splits batches runs a fit (`accumulating`; `MicroBatching`: `taking_batches`)"
+        for cb in self.splitters:
+            d = cb.__dict__
+            if d.get('accumulating') or d.get('taking_batches'): return True
+        return False
+    def __call__(self, items:list, event_name:str):
+        "fastai's `_call_one` and `Callback.__call__`: the same callbacks, in the same order, with the same run checks"
+        order = sorted(items, key=_order) # re-read at each event: a callback added or removed is seen from the next
+        if order != self.order: self.order,self.hows = order,{}
+        hows = self.hows.get(event_name)
+        if hows is None: hows = self.hows[event_name] = [_how(cb, event_name) for cb in order]
+        inner = event_name in _INNER
+        for cb,how,on_class in hows:
+            if how == _FASTAI: cb(event_name); continue
+            if how == _SKIP and event_name not in cb.__dict__: continue
+            # fastai's checks, read in its order
+            run = not inner or (cb.run_train and _training(cb, on_class, True)) or (cb.run_valid and not _training(cb, on_class, False))
+            if not (cb.run and run): continue
+            try: getattr(cb, event_name)()
+            except _CANCELS: raise
+            except Exception as e:
+                raise modify_exception(e, f'Exception occured in `{cb.__class__.__name__}` when calling event `{event_name}`:\n\t{e.args[0]}', replace=True)
+
+_plans = weakref.WeakKeyDictionary() # Learner: its `_Dispatch`
+
+def _dispatch(learn:Learner, event_name)->_Dispatch|None:
+    "The Learner's dispatch while an accumulation callback runs its fit, for an event fastai defines; None: fastai's own"
+    if event_name in _FIT_EVENTS: _plans.pop(learn, None); return None
+    cbs = learn.cbs
+    items = cbs.items if isinstance(cbs, L) else None
+    if event_name not in _EVENTS or type(items) is not list: return None
+    p = _plans.get(learn)
+    if p is None or p.key != items: p = _plans[learn] = _Dispatch(items)
+    return p if p.running() else None
+
+@replaces(Learner, "one event name: no `L` built for it, while accumulating")
+def __call__(self:Learner, event_name):
+    "fastai's; while a fit accumulates, an event's name goes straight to `_call_one`"
+    p = _dispatch(self, event_name) if isinstance(event_name, str) else None
+    if p is None: fastai_method(Learner, '__call__')(self, event_name)
+    elif type(self)._call_one is _call_one: p(self.cbs.items, event_name) # what `_call_one` below does
+    else: self._call_one(event_name) # a Learner class of its own
+
+@replaces(Learner, "callbacks called at each event without resolving the events they lack again, while accumulating")
+def _call_one(self:Learner, event_name):
+    "fastai's `_call_one`; while a fit accumulates, the same calls with what each callback defines resolved once per fit"
+    p = _dispatch(self, event_name)
+    if p is None: return fastai_method(Learner, '_call_one')(self, event_name)
+    p(self.cbs.items, event_name)
 
 # %% ../nbs/patches.ipynb #2eee01f2
 _fastai_ga_warned = False
