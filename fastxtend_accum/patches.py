@@ -90,6 +90,7 @@ def _splits_batches(cb)->bool: return getattr(type(cb), 'splits_batches', False)
 @replaces(Learner, "no window's gradients left behind a fit that raises; other processes stop; one instance once per fit")
 def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, start_epoch=0):
     "fastai's `fit`; if it raises, callbacks that split batches leave no gradients behind, and other processes stop (`failfast`)"
+    __tracebackhide__ = True # IPython and pytest leave the patch layer's frames out of a traceback: the error is not the patch's
     patch_loggers() # fastai's W&B/TensorBoard modules, whenever they were imported (before or after this library)
     for cb in L(cbs):
         if _splits_batches(cb) and any(o is cb for o in self.cbs):
@@ -108,6 +109,7 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, star
 @replaces(Learner, "a micro-batch counts where the loader yields it; the engine's policy held for its forward and backward")
 def one_batch(self:Learner, i, b):
     "fastai's `one_batch`; while a fit accumulates, inside the callback's `micro_batch` and with its `train_batch`"
+    __tracebackhide__ = True
     acc = (accum_callback(self) or batch_taker(self)) if self.training else None
     if acc is None: return fastai_method(Learner, 'one_batch')(self, i, b)
     self.iter = i
@@ -118,6 +120,7 @@ def one_batch(self:Learner, i, b):
 @replaces(Learner, "backward every micro-batch, the step once per window")
 def _do_grad_opt(self:Learner):
     "fastai's backward, step and `zero_grad`; while a fit accumulates, the callback's (the step once per window)"
+    __tracebackhide__ = True
     acc = accum_callback(self) if self.training else None
     if acc is None: return fastai_method(Learner, '_do_grad_opt')(self)
     acc.grad_opt()
@@ -174,6 +177,7 @@ class _Dispatch:
         return False
     def __call__(self, items:list, event_name:str):
         "fastai's `_call_one` and `Callback.__call__`: the same callbacks, in the same order, with the same run checks"
+        __tracebackhide__ = True
         order = sorted(items, key=_order) # re-read at each event: a callback added or removed is seen from the next
         if order != self.order: self.order,self.hows = order,{}
         hows = self.hows.get(event_name)
@@ -205,6 +209,7 @@ def _dispatch(learn:Learner, event_name)->_Dispatch|None:
 @replaces(Learner, "one event name: no `L` built for it, while accumulating")
 def __call__(self:Learner, event_name):
     "fastai's; while a fit accumulates, an event's name goes straight to `_call_one`"
+    __tracebackhide__ = True
     p = _dispatch(self, event_name) if isinstance(event_name, str) else None
     if p is None: fastai_method(Learner, '__call__')(self, event_name)
     elif type(self)._call_one is _call_one: p(self.cbs.items, event_name) # what `_call_one` below does
@@ -213,6 +218,7 @@ def __call__(self:Learner, event_name):
 @replaces(Learner, "callbacks called at each event without resolving the events they lack again, while accumulating")
 def _call_one(self:Learner, event_name):
     "fastai's `_call_one`; while a fit accumulates, the same calls with what each callback defines resolved once per fit"
+    __tracebackhide__ = True
     p = _dispatch(self, event_name)
     if p is None: return fastai_method(Learner, '_call_one')(self, event_name)
     p(self.cbs.items, event_name)

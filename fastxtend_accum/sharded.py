@@ -559,6 +559,7 @@ def _patch_distributed_trainer(mod):
         "fastai's `DistributedTrainer.before_fit`, with a clear error for a model already sharded (DDP would fail to broadcast it)"
         if is_sharded(self.model): raise ValueError(linked("The model is sharded with FSDP, and `distrib_ctx` would wrap it in DDP: train "
                                                     "it in `learn.sharded_ctx()`, which shares the data out and keeps the shards", 'fsdp'))
+        __tracebackhide__ = True # from here on the error is fastai's: IPython and pytest leave this frame out
         _dt_before_fit(self)
 
 # fastai.distributed imports Accelerate (seconds, and tqdm's "IProgress not found" warning in Jupyter): the library leaves

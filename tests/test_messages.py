@@ -169,3 +169,34 @@ def test_other_warnings_name_the_users_line(case):
     got = ours(ws, words)
     assert len(got) == 1 and f'{DOCS_URL}#{id}' in str(got[0].message), [str(o.message) for o in ws]
     assert_at(got[0], line)
+
+class Boom(Callback):
+    "A user's callback whose `after_loss` raises"
+    def after_loss(self): raise ValueError('boom in the user callback')
+
+@pytest.mark.parametrize('splitter', ['ga', 'micro'])
+def test_tracebacks_hide_the_patch_layer(splitter):
+    """An error from a user's callback passes through the patch layer's frames: each one is marked `__tracebackhide__`, which
+    IPython (Jupyter) and pytest honour, so the traceback a user reads goes from their `fit` line to their callback"""
+    import os, traceback
+    cb = GradientAccumulation(64) if splitter == 'ga' else MicroBatching(16)
+    learn = digits_learner(16 if splitter == 'ga' else 64, cbs=[cb, Boom()])
+    with pytest.raises(ValueError, match='boom in the user callback') as e, learn.no_bar(), learn.no_logging(): learn.fit(1)
+    frames = [f for f,_ in traceback.walk_tb(e.value.__traceback__)]
+    patch = [f for f in frames if f.f_code.co_filename.endswith(os.path.join('fastxtend_accum', 'patches.py'))]
+    assert len(patch) >= 3, [f.f_code.co_name for f in frames] # fit, the dispatch, one_batch at least
+    assert all(f.f_locals.get('__tracebackhide__') for f in patch), [f.f_code.co_name for f in patch
+                                                                    if not f.f_locals.get('__tracebackhide__')]
+
+def test_jupyter_traceback_leaves_the_patch_layer_out(capsys):
+    "The traceback IPython prints for that error names the user's callback and none of the patch layer's frames"
+    IPython = pytest.importorskip('IPython', reason='IPython is only in .venv-nbdev (the notebook toolchain)')
+    from IPython.core.interactiveshell import InteractiveShell
+    sh = InteractiveShell.instance(colors='nocolor')
+    sh.user_ns.update(digits_learner=digits_learner, GradientAccumulation=GradientAccumulation, Boom=Boom)
+    sh.run_cell("learn = digits_learner(16, cbs=[GradientAccumulation(64), Boom()])\n"
+                "with learn.no_bar(), learn.no_logging(): learn.fit(1)")
+    out = capsys.readouterr().out
+    assert 'boom in the user callback' in out and 'after_loss' in out, out[-3000:]
+    assert 'patches.py' not in out, out[-3000:]
+    assert 'skipping hidden' in out, out[-3000:]
