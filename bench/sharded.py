@@ -154,7 +154,7 @@ def main(argv=None):
     a.reps = a.reps or (1 if a.quick else 3)
     a.n_train = a.n_train or (512 if a.quick else 2048)
     a.hidden = a.hidden or (64 if a.quick else 512)
-    if a.worker: return worker(a)
+    if a.worker: worker(a); exit_worker() # results written: no teardown for gloo's threads to abort
     sys.exit(torchrun_worker(__file__, argv if argv is not None else sys.argv[1:], a.threads))
 
 if __name__ == '__main__': main()
