@@ -134,13 +134,6 @@ def free_port()->int:
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
 
-def exit_worker():
-    """End a torchrun worker whose results are written: `os._exit(0)`, without the interpreter's teardown, in which gloo's
-    threads can abort a process that already finished ("terminate called without an active exception", SIGABRT: CI saw
-    `test_bench::test_sharded_quick` fail so after both workers had printed; `tests/ddp_worker.py` ends its workers alike)"""
-    sys.stdout.flush(); sys.stderr.flush()
-    os._exit(0)
-
 def torchrun_worker(script:str, argv:list, threads:int, timeout:int=1800)->int:
     "Run `script --worker *argv` on 2 processes under torchrun (no restarts, bounded by `timeout` seconds): its return code"
     args = [a for a in argv if a != '--worker']

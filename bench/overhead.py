@@ -64,10 +64,10 @@ MODELS = {'mlp': ('MLP 64-128-128-10', lambda: mlp(128, 2), False),
 PATCHED = (Recorder, ParamScheduler, ProgressCallback, Learner, FastaiGradientAccumulation)
 
 @contextmanager
-def fastai_as_shipped():
-    "fastai's own `after_batch` methods while inside, as in a process that never imported fastxtend_accum"
+def fastai_as_shipped(names=None):
+    "fastai's own methods while inside (those in `names` only, if given), as in a process that never imported fastxtend_accum"
     swapped = [(cls, k[len('_fastai_'):], cls.__dict__[k[len('_fastai_'):]], v) for cls in PATCHED
-               for k,v in list(cls.__dict__.items()) if k.startswith('_fastai_')]
+               for k,v in list(cls.__dict__.items()) if k.startswith('_fastai_') and (names is None or k[len('_fastai_'):] in names)]
     for cls,name,_,orig in swapped: setattr(cls, name, orig)
     try: yield len(swapped)
     finally:

@@ -272,19 +272,6 @@ class FastaiRun(Run):
         from syncs import pause_loader
         for dl in self.learn.dls.loaders: pause_loader(dl, counter) # the (empty) validation loader runs too
 
-def fastai_dispatch():
-    "Context manager: fastai's own `Learner.__call__` and `_call_one` while it is open (the library's dispatch is off)"
-    import contextlib
-    from fastai.learner import Learner
-    from fastxtend_accum.patches import fastai_method
-    @contextlib.contextmanager
-    def _inner():
-        new = Learner.__call__,Learner._call_one
-        Learner.__call__,Learner._call_one = fastai_method(Learner, '__call__'),fastai_method(Learner, '_call_one')
-        try: yield
-        finally: Learner.__call__,Learner._call_one = new
-    return _inner()
-
 def builders()->dict:
     "For each peer: `Setup -> Run` (raises ImportError where the peer is not installed)"
     def torch_opt(s):
@@ -306,7 +293,9 @@ def builders()->dict:
             from fastxtend_accum.callback.gradaccum import GradientAccumulation
             from fastxtend_accum.callback.schedule import GradientAccumulationSchedule
             from fastxtend_accum.callback.microbatch import MicroBatching
-            if fast: return FastaiRun(s, lambda: GradientAccumulation(s.accum_bs, **kw), dispatch=fastai_dispatch)
+            if fast: # fastai's own `Learner.__call__`/`_call_one`: the library's dispatch off
+                return FastaiRun(s, lambda: GradientAccumulation(s.accum_bs, **kw),
+                                 dispatch=lambda: fastai_as_shipped({'__call__', '_call_one'}))
             if name == 'ga': return FastaiRun(s, lambda: GradientAccumulation(s.accum_bs, **kw))
             if name == 'sched': return FastaiRun(s, lambda: GradientAccumulationSchedule(s.accum_bs, s.accum_bs, **kw))
             return FastaiRun(s, lambda: MicroBatching(s.micro_bs, verbose=False, **kw), bs=s.accum_bs)

@@ -154,7 +154,9 @@ def main(argv=None):
     a.reps = a.reps or (1 if a.quick else 3)
     a.n_train = a.n_train or (512 if a.quick else 2048)
     a.hidden = a.hidden or (64 if a.quick else 512)
-    if a.worker: worker(a); exit_worker() # results written: no teardown for gloo's threads to abort
+    if a.worker: # results written: no teardown for gloo's threads to abort (as the tests' workers end)
+        from ddp_worker import exit_worker
+        worker(a); exit_worker()
     sys.exit(torchrun_worker(__file__, argv if argv is not None else sys.argv[1:], a.threads))
 
 if __name__ == '__main__': main()
