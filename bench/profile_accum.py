@@ -1,16 +1,17 @@
 """Profile: where the host time of one `GradientAccumulation(128)` micro-batch goes, part by part.
 
 The setup of `peers.py` (CPU, 1 thread, digits repeated to 3,200 samples, MLP 64-128-128-10, fastai's Adam, micro-batches of
-32 from fastai's loader with `num_workers=0`, 128 samples per step, training only, no progress bar). Three measures:
+32 from fastai's loader with `num_workers=0`, 128 samples per step, training only, no progress bar). Four measures:
 
-1. **Sections** (`--sections`): the fastai and library functions each micro-batch calls are wrapped by a timer that keeps
-   each one's *exclusive* CPU time (its own, its callees' taken out), so that the parts add up to the fit. The timer's own
-   cost per wrapped call is measured and taken out of each part's figure (calibrated on an empty function).
-2. **cProfile** (`--cprofile`): the functions with the most own time, per micro-batch (cProfile inflates small calls).
+1. **Sections**: the fastai and library functions each micro-batch calls are wrapped by a timer that keeps each one's
+   *exclusive* CPU time (its own, its callees' taken out), so that the parts add up to the fit. The timer's own cost per
+   wrapped call is measured and taken out of each part's figure. `Callback.__call__` is not wrapped: a wrapped one would
+   turn the library's event dispatch off (it calls fastai's way for a callback whose `__call__` is not fastai's).
+2. **cProfile**: the functions with the most own time, per micro-batch (cProfile inflates small calls).
 3. **Micro-timings**: what one event dispatch costs with the fit's callbacks and no handler, what sorting the callbacks
    costs, what `Callback.__getattr__`'s fallthrough to the Learner and `Callback.__setattr__`'s shadowing check cost.
-4. **What-if**: prototypes of a cheaper event dispatch that calls the same callbacks with the same events, timed side by
-   side with the fit as it is (and checked to train and record identically).
+4. **What-if**: the fit as it is, and with fastai's own way put back for one part the library saves (its event dispatch,
+   its device step), timed side by side (and checked to train and record identically).
 
 Prints the report; `--out results/profile.md` also writes it, and `run.py` then shows it on the benchmarks page."""
 from __future__ import annotations
@@ -37,22 +38,21 @@ def targets():
     from fastai.data.load import DataLoader
     from fastcore.basics import GetAttr
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
-    import fastxtend_accum.callback.gradaccum as ga
+    import fastxtend_accum.patches as patches, fastxtend_accum.window as window
     t = [("fastai's loader (the next batch)", Learner, 'all_batches'),
          ("fastai's loader (the next batch)", DataLoader, 'create_batch'),
          ("fastai's loader (the next batch)", DataLoader, 'do_batch'),
          ('batch to device, split', Learner, '_set_device'), ('batch to device, split', Learner, '_split'),
          ('forward (model)', nn.Sequential, 'forward'),
          ('loss function', nn.CrossEntropyLoss, 'forward'),
-         ("fastai's one_batch/_do_one_batch/_with_events bodies", Learner, 'one_batch'),
-         ("fastai's one_batch/_do_one_batch/_with_events bodies", Learner, '_do_one_batch'),
-         ("fastai's one_batch/_do_one_batch/_with_events bodies", Learner, '_with_events'),
+         ("fastai's _do_one_batch/_with_events bodies", Learner, '_do_one_batch'),
+         ("fastai's _do_one_batch/_with_events bodies", Learner, '_with_events'),
          ('backward (autograd)', Learner, '_backward'),
          ('optimizer step (per window)', Optimizer, 'step'),
          ('zero_grad (per window)', Optimizer, 'zero_grad'),
-         ("event dispatch: Learner.__call__/_call_one (sorting the callbacks)", Learner, '__call__'),
-         ("event dispatch: Learner.__call__/_call_one (sorting the callbacks)", Learner, '_call_one'),
-         ("event dispatch: Callback.__call__ (getcallable, run checks)", Callback, '__call__'),
+         ("event dispatch (the library's, while accumulating: Learner.__call__/_call_one, _Dispatch)", Learner, '__call__'),
+         ("event dispatch (the library's, while accumulating: Learner.__call__/_call_one, _Dispatch)", Learner, '_call_one'),
+         ("event dispatch (the library's, while accumulating: Learner.__call__/_call_one, _Dispatch)", patches._Dispatch, '__call__'),
          ("Callback.__getattr__ fallthrough to the Learner", GetAttr, '__getattr__'),
          ("Callback.__setattr__ shadowing check", Callback, '__setattr__'),
          ('TrainEvalCallback (fastai)', TrainEvalCallback, 'before_batch'),
@@ -61,15 +61,25 @@ def targets():
          ('Recorder.after_batch (as patched by the library) + AvgSmoothLoss/AvgLoss', AvgSmoothLoss, 'accumulate'),
          ('Recorder.after_batch (as patched by the library) + AvgSmoothLoss/AvgLoss', AvgLoss, 'accumulate'),
          ('Recorder.before_batch/after_* other', Recorder, 'before_train'),
-         ("library: Learner._do_grad_opt patch + accum_callback", Learner, '_do_grad_opt'),
-         ("library: Learner._do_grad_opt patch + accum_callback", ga, 'accum_callback'),
-         ('library: GradientAccumulation.before_batch', GradientAccumulation, 'before_batch'),
-         ('library: GradientAccumulation.before_backward', GradientAccumulation, 'before_backward'),
-         ('library: GradientAccumulation.grad_opt/_backward (bookkeeping)', GradientAccumulation, 'grad_opt'),
-         ('library: GradientAccumulation.grad_opt/_backward (bookkeeping)', GradientAccumulation, '_backward'),
-         ('library: GradientAccumulation._step_window (per window)', GradientAccumulation, '_step_window'),
-         ('library: GradientAccumulation._step_window (per window)', GradientAccumulation, '_step'),
-         ('library: GradientAccumulation.after_batch', GradientAccumulation, 'after_batch'),
+         ("library: Learner.one_batch/_do_grad_opt patches + callback lookups", Learner, 'one_batch'),
+         ("library: Learner.one_batch/_do_grad_opt patches + callback lookups", Learner, '_do_grad_opt'),
+         ("library: Learner.one_batch/_do_grad_opt patches + callback lookups", patches, 'accum_callback'),
+         ("library: Learner.one_batch/_do_grad_opt patches + callback lookups", patches, 'batch_taker'),
+         ("library: Learner.one_batch/_do_grad_opt patches + callback lookups", patches, 'accum_logger'),
+         ('library: micro_batch (count where yielded: _yielded, Window.add_yielded)', GradientAccumulation, 'micro_batch'),
+         ('library: micro_batch (count where yielded: _yielded, Window.add_yielded)', GradientAccumulation, '_yielded'),
+         ('library: micro_batch (count where yielded: _yielded, Window.add_yielded)', window.Window, 'add_yielded'),
+         ('library: grad_opt/_backward/_end_micro_batch (weights, counts)', GradientAccumulation, 'grad_opt'),
+         ('library: grad_opt/_backward/_end_micro_batch (weights, counts)', GradientAccumulation, '_backward'),
+         ('library: grad_opt/_backward/_end_micro_batch (weights, counts)', GradientAccumulation, '_loss_items'),
+         ('library: grad_opt/_backward/_end_micro_batch (weights, counts)', GradientAccumulation, '_end_micro_batch'),
+         ('library: grad_opt/_backward/_end_micro_batch (weights, counts)', window.Window, 'weighted'),
+         ('library: grad_opt/_backward/_end_micro_batch (weights, counts)', window.Window, 'add_backward'),
+         ('library: the window step (per window: totals, scale, record)', GradientAccumulation, '_step_window'),
+         ('library: the window step (per window: totals, scale, record)', GradientAccumulation, '_step'),
+         ('library: the window step (per window: totals, scale, record)', window.Window, 'settle'),
+         ('library: GradientAccumulation.train_batch/after_batch', GradientAccumulation, 'train_batch'),
+         ('library: GradientAccumulation.train_batch/after_batch', GradientAccumulation, 'after_batch'),
         ]
     try:
         from fastai.callback.schedule import ParamScheduler
@@ -171,8 +181,13 @@ def micro_timings(cb_factory)->list[tuple[str,float,str]]:
     learn.training = True
     cbs = learn.cbs
     res = []
-    res.append((f"learn('after_pred'): one event no callback of the fit handles, {len(cbs)} callbacks ({', '.join(type(c).__name__ for c in cbs)})",
+    res.append((f"learn('after_pred'), fastai's dispatch (no fit accumulating): one event no callback of the fit handles, {len(cbs)} callbacks ({', '.join(type(c).__name__ for c in cbs)})",
                 per_call_us(lambda: learn('after_pred')), 'per event'))
+    acc = [c for c in cbs if getattr(type(c), 'splits_batches', False)]
+    if acc: # as inside a fit that accumulates: the library's dispatch (`patches`) calls the same callbacks
+        acc[0].accumulating = True
+        try: res.append((f"learn('after_pred') as above, while the fit accumulates (the library's event dispatch)", per_call_us(lambda: learn('after_pred')), 'per event'))
+        finally: acc[0].accumulating = False
     res.append(("learn.cbs.sorted('order') (done at every event)", per_call_us(lambda: learn.cbs.sorted('order')), 'per event'))
     cb = cbs[0]
     res.append((f"Callback.__call__('after_pred') on {type(cb).__name__}, which has no such method (getcallable falls through to the Learner)",
@@ -190,90 +205,36 @@ def micro_timings(cb_factory)->list[tuple[str,float,str]]:
     if ga:
         g = ga[0]
         b = learn.dls.train.one_batch(); xb,yb = b[:1],b[1:]
-        res.append((f"{type(g).__name__}.window_open = False (the library's fast __setattr__)", per_call_us(lambda: setattr(g, 'window_open', g.window_open)), 'per set'))
         res.append((f"{type(g).__name__}.counter(xb, yb) ('{g.normalize_by}': {g.counter!r})", per_call_us(lambda: g.counter(xb, yb)), 'per micro-batch'))
     return res
 
 
-# What-if: fastai's event dispatch made cheaper without changing what any callback sees. A prototype measured here only (the
-# library does not ship it): the same callbacks called in the same order with the same events and the same run checks.
-_M = object()
-def fast_dispatch():
-    "Context manager: `Learner.__call__`/`_call_one` and `Callback.__call__` replaced by equivalents that skip fastai's overheads"
+# What-if: each of the library's savings on fastai's own per-micro-batch work turned off, one at a time, timed side by side with
+# the fit as it is (and checked to train and record identically): what each one saves, measured in the same run.
+def what_ifs()->dict:
+    "name: a context manager that puts fastai's own way back for one part"
     import contextlib
-    from fastai.learner import Learner
-    from fastai.callback.core import Callback, _inner_loop, event
-    from fastcore.basics import GetAttr, noop
-    inner = frozenset(_inner_loop)
-    cb_call,l_call,l_call_one = Callback.__call__,Learner.__call__,Learner._call_one
-    plain = {}
-    def is_plain(cls):
-        "GetAttr's fallthrough to `learn`, unchanged: then `_get` below is exactly `getattr`"
-        r = plain.get(cls)
-        if r is None:
-            r = plain[cls] = (cls.__getattr__ is GetAttr.__getattr__ and cls.__getattribute__ is object.__getattribute__
-                and cls._component_attr_filter is GetAttr._component_attr_filter and cls._default == 'learn'
-                and getattr(cls, '_xtra', None) is None)
-        return r
-    oga = object.__getattribute__
-    def _get(self, name, default):
-        "getattr(self, name, default) for a plain GetAttr: the normal lookup, then the Learner's attribute"
-        try: return oga(self, name)
-        except AttributeError: pass
-        if '_xtra' in self.__dict__: return getattr(self, name, default) # an instance's own filter: fastai's way
-        if name.startswith('__') or name == 'learn': return default
-        learn = self.learn
-        return default if learn is None else getattr(learn, name, default)
-    def fast_cb_call(self, event_name):
-        if not is_plain(type(self)): return cb_call(self, event_name)
-        _run = (event_name not in inner or (self.run_train and _get(self, 'training', True)) or
-                (self.run_valid and not _get(self, 'training', False)))
-        res = None
-        if self.run and _run:
-            f = _get(self, event_name, noop)
-            try: res = f()
-            except Exception as e:
-                if type(e).__name__.startswith('Cancel'): raise
-                from fastcore.basics import modify_exception
-                raise modify_exception(e, f'Exception occured in `{self.__class__.__name__}` when calling event `{event_name}`:\n\t{e.args[0]}', replace=True)
-        if event_name == 'after_fit': self.run = True
-        return res
-    order = lambda o: getattr(o, 'order', 0)
-    def fast_call_one(self, event_name):
-        if not hasattr(event, event_name): raise Exception(f'missing {event_name}')
-        for cb in sorted(self.cbs, key=order): cb(event_name)
-    def fast_call(self, event_name):
-        if isinstance(event_name, str): return self._call_one(event_name)
-        return l_call(self, event_name)
+    from overhead import fastai_as_shipped
+    import fastxtend_accum.patches as patches
     @contextlib.contextmanager
-    def ctx():
-        Callback.__call__,Learner.__call__,Learner._call_one = fast_cb_call,fast_call,fast_call_one
+    def fastai_set_device():
+        f = patches._on_device
+        patches._on_device = lambda learn, b: learn._set_device(b)
         try: yield
-        finally: Callback.__call__,Learner.__call__,Learner._call_one = cb_call,l_call,l_call_one
-    return ctx()
-
-def shortcut(cb):
-    """The same callback, of a subclass that spares fastai's dispatch its slow paths on *this* callback only: `_xtra = None`
-    (GetAttr's filter then skips its recursive, raising `getattr(self, '_xtra')`), `training` read from the Learner directly,
-    and a no-op method for each event the callback lacks (found by `getcallable` without a fallthrough). What fastai's
-    dispatch returns and calls is unchanged: a missing event is `noop` either way."""
-    from fastai.callback.core import _events
-    cls = type(cb)
-    ns = dict(_xtra=None, training=property(lambda self: self.learn.training))
-    for e in _events:
-        if not hasattr(cls, e): ns[e] = lambda self: None
-    cb.__class__ = type(cls.__name__, (cls,), ns)
-    return cb
+        finally: patches._on_device = f
+    return {"fastai's event dispatch (Learner.__call__/_call_one)": lambda: fastai_as_shipped({'__call__', '_call_one'}),
+            "fastai's _set_device (the batch rebuilt on its device)": fastai_set_device}
 
 def what_if(cb_factory, n_epoch, reps):
-    "The fit as it is, with `fast_dispatch`, and with `shortcut` on the library's callback, interleaved: time per micro-batch, identical runs"
+    "The fit as it is, and with each `what_ifs` part put back, interleaved: time per micro-batch, identical runs"
     from contextlib import nullcontext
+    ctxs = {'as it is': nullcontext, **what_ifs()}
     runs = {}
-    for name in ('as it is', 'fast dispatch', 'shortcuts on the library callback only'):
-        learn = fastai_learner(cb_factory() if name != 'shortcuts on the library callback only' else shortcut(cb_factory()))
+    for name,ctx in ctxs.items():
+        learn = fastai_learner(cb_factory())
         init = {k: v.clone() for k,v in learn.model.state_dict().items()}
         learn.dls.train.rng.seed(0)
-        with fast_dispatch() if name == 'fast dispatch' else nullcontext(): learn.fit(1)
+        with ctx(): learn.fit(1)
         runs[name] = (learn, init)
     n_mb = n_epoch*len(runs['as it is'][0].dls.train)
     times = {k: [] for k in runs}
@@ -281,7 +242,7 @@ def what_if(cb_factory, n_epoch, reps):
         for name,(learn,init) in runs.items():
             learn.model.load_state_dict(init)
             learn.dls.train.rng.seed(0)
-            with fast_dispatch() if name == 'fast dispatch' else nullcontext():
+            with ctxs[name]():
                 c0 = time.process_time_ns(); learn.fit(n_epoch); times[name].append((time.process_time_ns()-c0)/n_mb/1e3)
     a,*others = (runs[k][0] for k in runs)
     same_params = all(torch.equal(p, q) for b in others for p,q in zip(a.model.parameters(), b.model.parameters()))
@@ -306,14 +267,14 @@ def report(cfg, secs:dict, top:str, micro:list, wi:dict|None=None)->str:
     for what,us,when in micro: lines.append(f"| {what} | {us:.2f} | {when} |")
     if wi:
         u,r = wi['us'],wi['ratio']
-        lines += ['', '### What-if: cheaper event dispatch, same calls (prototypes in this script, not in the library)', '',
-                  "'fast dispatch' replaces fastai's `Learner.__call__` (no `L` built for one event name), `Learner._call_one` "
-                  "(`sorted(key=order)` instead of `L.sorted`) and `Callback.__call__` (GetAttr's fallthrough done inline: same "
-                  "lookups, same order, same run checks) for every callback. 'shortcuts on the library callback only' leaves fastai "
-                  "alone and gives the library's callback `_xtra = None`, a `training` property and no-op methods for the events it "
-                  "lacks. Interleaved repetitions, CPU time per micro-batch in us, median [min, max], and the ratio to 'as it is':", '']
+        lines += ['', "### What-if: fastai's own way put back, one part at a time", '',
+                  "What the library saves on fastai's per-micro-batch work, while a fit accumulates: its event dispatch (the same "
+                  "callbacks called in the same order with the same checks, what each defines resolved once per fit; `patches`) and "
+                  "its device step (a batch already on the model's device is not rebuilt; `patches._on_device`). Each row puts "
+                  "fastai's own back for that part alone. Interleaved repetitions, CPU time per micro-batch in us, median [min, "
+                  "max], and the ratio to 'as it is':", '']
         for k in u: lines.append(f"- {k}: {u[k]['median']:.0f} [{u[k]['min']:.0f}, {u[k]['max']:.0f}]; ratio {r[k]['median']:.3f} [{r[k]['min']:.3f}, {r[k]['max']:.3f}]")
-        lines.append(f"- identical parameters (bitwise) in all three: {wi['same_params']}; identical Recorder losses, lrs, values and iters: {wi['same_records']}")
+        lines.append(f"- identical parameters (bitwise) in all: {wi['same_params']}; identical Recorder losses, lrs, values and iters: {wi['same_records']}")
     lines += ['', '### cProfile: functions by own time (us per micro-batch; cProfile inflates small calls)', '', '```', top, '```']
     return '\n'.join(lines)
 

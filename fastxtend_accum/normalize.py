@@ -30,6 +30,14 @@ class TokenCount:
     from_loss = True # what a cross-entropy divides by: 'auto' may read it from the loss (`loss_items`)
     def __init__(self, ignore_index:int=-100): store_attr()
     def __call__(self, xb:tuple, yb:tuple)->Tensor: return (yb[0] != self.ignore_index).sum(dtype=torch.float64) # on device: no sync
+    def split_counts(self,
+                     yb:tuple, # A batch's targets
+                     sizes:list[int], # The samples of its micro-batches, in order along the first dimension
+                    )->Tensor|None:
+        "The counts of the micro-batches that split `yb` in `sizes` (equal ones), all at once, as a float64 vector; `None`: count one by one"
+        y,k = yb[0] if len(yb) and isinstance(yb[0], Tensor) else None,len(sizes)
+        if y is None or y.ndim == 0 or k < 2 or sizes[0] < 1 or y.shape[0] != sizes[0]*k or any(s != sizes[0] for s in sizes): return None
+        return (y != self.ignore_index).reshape(k, -1).sum(1, dtype=torch.float64)
     def __repr__(self): return f'TokenCount(ignore_index={self.ignore_index})'
 
 # %% ../nbs/normalize.ipynb #ee0ab0a3
@@ -173,7 +181,7 @@ class AutoNormalize:
         verbose:bool=True, # Print what 'auto' counts when it is not samples
     ):
         store_attr()
-        self.pending,self.said,self.warned,self.last = True,set(),set(),None
+        self.pending,self.said,self.warned,self.last,self.rate = True,set(),set(),None,None
 
     def counter(self, loss_func, xb:tuple, yb:tuple):
         "The counter for `loss_func`, read at an epoch's first micro-batch `(xb, yb)`, whose targets tell what to say"
@@ -185,14 +193,25 @@ class AutoNormalize:
         if not (new := self.last is None or self.last[0] is not key[0] or self.last[1:3] != key[1:]): c = self.last[3]
         else: c = auto_counter(loss_func); self.last = *key,c
         if type(c) is SampleCount: self._watch(loss_func, yb) # a loss it cannot read: its targets, each epoch until it warns
-        elif new and repr(c) not in self.said and (type(c) in (WeightedTargetCount, LossSum) or float(c(xb, yb)) != find_bs(yb)):
-            self.said.add(repr(c))
-            if type(c) is LossSum: what = "a loss that sums its terms (reduction='sum'): each micro-batch's loss is added as it is,"
-            else: what = 'what {} averages over, {} ignore_index={}:'.format(_loss_name(loss_func), 'the targets that are not'
-                if type(c) is TokenCount else 'the class weights of the targets that are not', c.ignore_index)
-            if self.verbose and rank_distrib() == 0: # '\r': over a console progress bar's frame, not after it
-                print(linked(f"\r{self.owner}: normalize_by='auto' counts {what} {c!r}", 'auto-count'))
+        elif new and type(c) is TokenCount:
+            # the targets per sample of this micro-batch (one sync per loss, not per fit): the windows' rho is then a number,
+            # known on the host (`window.Windows.ref`); any rho is exact, this one keeps the weights near samples/accum_bs
+            n,bs = float(c(xb, yb)),find_bs(yb)
+            self.rate = n/bs if bs else None
+            if repr(c) not in self.said and n != bs: self._say(c, loss_func)
+        elif new:
+            self.rate = None # class weights: rho from each window's first micro-batch, on the device
+            if repr(c) not in self.said: self._say(c, loss_func)
         return c
+
+    def _say(self, c, loss_func):
+        "Print, once, what 'auto' counts when it is not samples"
+        self.said.add(repr(c))
+        if type(c) is LossSum: what = "a loss that sums its terms (reduction='sum'): each micro-batch's loss is added as it is,"
+        else: what = 'what {} averages over, {} ignore_index={}:'.format(_loss_name(loss_func), 'the targets that are not'
+            if type(c) is TokenCount else 'the class weights of the targets that are not', c.ignore_index)
+        if self.verbose and rank_distrib() == 0: # '\r': over a console progress bar's frame, not after it
+            print(linked(f"\r{self.owner}: normalize_by='auto' counts {what} {c!r}", 'auto-count'))
 
     def _watch(self, loss_func, yb):
         name = _loss_name(loss_func)

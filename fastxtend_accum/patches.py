@@ -5,6 +5,7 @@
 # %% ../nbs/patches.ipynb #816d7936
 from __future__ import annotations
 import contextlib, inspect, sys, warnings, weakref
+import fastai.learner
 from typing import Protocol
 from fastai.basics import *
 from fastai.callback.core import _events, _inner_loop
@@ -106,6 +107,22 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, star
         raise
     finally: _plans.pop(self, None) # the event dispatch's record of the callbacks (it holds them, and they the Learner)
 
+_fastai_set_device,_fastai_to_device,_CPU = Learner._set_device,fastai.learner.to_device,torch.device('cpu')
+
+def _on_device(learn:Learner, b):
+    "`learn._set_device(b)`, fastai's: where each tensor of the batch already is where it would go, the batch as it is (no copy)"
+    __tracebackhide__ = True
+    # fastai moves the batch to the model's first parameter's device ('cpu' if `defaults.use_cuda` is False), and `Tensor.to`
+    # returns a tensor already there as it is: the same tensors, without rebuilding the batch on every micro-batch
+    if type(learn)._set_device is _fastai_set_device and type(b) is tuple and fastai.learner.to_device is _fastai_to_device:
+        p = next(learn.model.parameters(), None) # none: fastai's raises
+        if p is not None:
+            dev = _CPU if defaults.use_cuda == False else p.device
+            for o in b:
+                if not (isinstance(o, Tensor) and o.device == dev): break
+            else: return b
+    return learn._set_device(b)
+
 @replaces(Learner, "a micro-batch counts where the loader yields it; the engine's policy held for its forward and backward")
 def one_batch(self:Learner, i, b):
     "fastai's `one_batch`; while a fit accumulates, inside the callback's `micro_batch` and with its `train_batch`"
@@ -113,7 +130,7 @@ def one_batch(self:Learner, i, b):
     acc = (accum_callback(self) or batch_taker(self)) if self.training else None
     if acc is None: return fastai_method(Learner, 'one_batch')(self, i, b)
     self.iter = i
-    b = self._set_device(b)
+    b = _on_device(self, b)
     self._split(b)
     with acc.micro_batch(): self._with_events(acc.train_batch, 'batch', CancelBatchException)
 

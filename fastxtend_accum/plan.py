@@ -138,8 +138,12 @@ class BatchSplitter(Callback):
         for t in (pred if is_listy(pred) else [pred]):
             if isinstance(t, Tensor) and t.requires_grad: t.register_hook(lambda g: torch.where(c > 0, g, 0.))
     def _grads(self)->list:
-        "The gradients the model holds: what a window's scale multiplies"
-        return [p.grad for p in self._learn.model.parameters() if p.grad is not None]
+        "The gradients the model holds: what a window's scale multiplies (its parameters listed once an epoch, not once a step)"
+        model,ps = self._learn.model,self.__dict__.get('_params')
+        # listed again for another model object, and at every `before_train` (an engine may have replaced the parameters)
+        if ps is None or ps[0] is not model: ps = self.__dict__['_params'] = (model, list(model.parameters()))
+        return [p.grad for p in ps[1] if p.grad is not None]
+    def _forget_params(self): self.__dict__.pop('_params', None)
     def _zero_grads(self):
         "Zero every gradient the model holds: nothing of a dropped window is left for the next"
         for g in self._grads(): g.zero_()

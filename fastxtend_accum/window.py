@@ -70,9 +70,9 @@ class Window:
     discard:bool = False   # ...and `drop_last` discards it: the epoch's short last window
     # counted when a micro-batch's backward ran
     samples:int = 0
-    items = 0.             # what the loss averages over: a float, or a float64 tensor on the device
-    loss_sum = 0.          # sum of (loss x items) over the micro-batches; of losses if sum_reduced
-    counted:list           # (items, loss) of micro-batches counted on the device: added to items and loss_sum at the step
+    items = 0.             # what the loss averages over: a number, or a float64 tensor on the device (settled)
+    loss_sum = 0.          # sum of (loss x items) over the micro-batches; of losses if sum_reduced (settled)
+    counted:list           # (items, loss) of the micro-batches since: added to items and loss_sum at the step, all at once
     ref = None             # rho: the items the weights divide by, fixed at the window's first weighted micro-batch
     items_min = None       # the smallest count (a user's counter's counts are checked at the step)
     # the current micro-batch
@@ -115,7 +115,7 @@ class Window:
                 )->Tensor:
         "`loss` times its weight, in the loss's dtype: a count or rho on the device stays there (no sync)"
         wt = self.weight(items)
-        if isinstance(wt, Tensor): return loss*wt.to(loss.dtype)
+        if isinstance(wt, Tensor): return loss*(wt if wt.dtype == loss.dtype else wt.to(loss.dtype))
         return loss if wt == 1 else loss*wt
 
     def add_backward(self,
@@ -123,22 +123,28 @@ class Window:
                      items, # What its loss averages over
                      loss:Tensor, # Its loss, detached
                     ):
-        "Count a micro-batch whose backward ran: its samples, items and detached loss"
+        "Count a micro-batch whose backward ran: its samples now, its items and detached loss summed at the step, all at once"
         self.backward_ran,self.samples = True,self.samples+samples
-        if self.sum_reduced: self.loss_sum = self.loss_sum + loss; return
-        if isinstance(items, Tensor): self.counted.append((items, loss)); return # summed at the step, all at once
-        self.items = self.items + items
-        self.loss_sum = self.loss_sum + (loss*items if items else 0.)
+        self.counted.append((items, loss))
 
     def settle(self):
-        "Add the micro-batches counted on the device to `items` and `loss_sum`: a few ops per window, not per micro-batch"
+        "Add the micro-batches counted since the last settle to `items` and `loss_sum`: a few ops per window, not per micro-batch"
         if not self.counted: return
-        c,l = torch.stack([o[0] for o in self.counted]),torch.stack([o[1] for o in self.counted])
+        cs,ls = [o[0] for o in self.counted],[o[1] for o in self.counted]
         self.counted = []
-        # a micro-batch with no items (all padding, zero class weights) has a NaN mean loss: it adds nothing
-        # in float64 however the counts came (a loss's float32 total weight, `normalize.loss_items`)
-        items,loss_sum = c.sum(dtype=torch.float64),torch.where(c > 0, l*c, 0.).sum(dtype=torch.float64)
-        if isinstance(self.items, Tensor) or self.items: items,loss_sum = self.items+items,self.loss_sum+loss_sum
+        l = torch.stack(ls)
+        if l.ndim != 1: l = l.reshape(len(ls)) # losses of one element, whatever their shape
+        if self.sum_reduced: items,loss_sum = 0.,l.sum(dtype=torch.float64)
+        elif not any(isinstance(c, Tensor) for c in cs) and cs[0] > 0 and all(c == cs[0] for c in cs):
+            items,loss_sum = sum(cs),l.sum(dtype=torch.float64)*cs[0] # samples, as many in each: one product
+        else:
+            c = torch.stack([torch.as_tensor(c, dtype=torch.float64, device=l.device) for c in cs]) if not all(
+                isinstance(c, Tensor) for c in cs) else torch.stack(cs)
+            # a micro-batch with no items (all padding, zero class weights) has a NaN mean loss: it adds nothing
+            # in float64 however the counts came (a loss's float32 total weight, `normalize.loss_items`)
+            items,loss_sum = c.sum(dtype=torch.float64),(l*c).masked_fill_(c.le(0), 0.).sum(dtype=torch.float64)
+        if isinstance(self.items, Tensor) or self.items: items = self.items+items
+        if isinstance(self.loss_sum, Tensor) or self.loss_sum: loss_sum = self.loss_sum+loss_sum
         self.items,self.loss_sum = items,loss_sum
 
     def scale(self,
@@ -150,7 +156,8 @@ class Window:
         if self.sum_reduced: return None if world_size == 1 else world_size
         self.settle()
         c,f = self.items if items is None else items,self.ref if world_size == 1 else world_size*self.ref
-        if isinstance(c, Tensor): return f/torch.where(c > 0, c, f) # a window of padding only has zero gradients anyway
+        # a window of padding only has zero gradients anyway: 1 (counts are never negative; a user's are checked first)
+        if isinstance(c, Tensor): return (f/c if isinstance(f, Tensor) else c.reciprocal().mul_(f)).masked_fill_(c.le(0), 1.)
         return None if c == f else f/c
 
     def loss(self,
@@ -313,8 +320,12 @@ class Windows:
         "Samples over all processes of a window of `bs` (as `accum_bs` counts them)"
         return bs if self.global_bs else bs*self.world_size
     def ref(self):
-        "rho, what the open window's weights divide by: its samples, or the items expected from its first micro-batch"
-        return self.window_bs if self.by_samples else window_ref(self.window_bs, self.mb_items, self.mb_samples, self.rate)
+        "rho, what the open window's weights divide by: its samples, the items 'auto' expects, or those of its first micro-batch"
+        if self.by_samples: return self.window_bs
+        # 'auto' read a cross-entropy's items per sample once, on the host (`AutoNormalize.rate`): a number, no op per window
+        rate = getattr(self.auto, 'rate', None) if self.world_size == 1 and self.reads_loss else None
+        if rate is not None: return max(rate*self.window_bs, 1)
+        return window_ref(self.window_bs, self.mb_items, self.mb_samples, self.rate)
 
     def overfilled(self)->bool:
         "Whether the window closed past its target: micro-batches that do not divide it (over all processes with `global_bs`)"

@@ -149,3 +149,32 @@ def test_fastai_dispatch_without_accumulation():
     "No accumulation callback: fastai's own dispatch runs every event"
     with counting_fast_calls() as n: digits_learner(32, n_train=128).fit(1)
     assert n[0] == 0
+
+def test_batch_on_device_as_fastai_sets_it():
+    """While accumulating, `one_batch` gives fastai's `_set_device` result without rebuilding a batch already where fastai
+    would move it (`patches._on_device`): the same tensors. Any other batch or Learner goes through fastai's own"""
+    learn = digits_learner(16)
+    b = learn.dls.train.one_batch()
+    assert type(b) is tuple and all(x is y for x,y in zip(patches._on_device(learn, b), learn._set_device(b)))
+    assert patches._on_device(learn, b) is b
+    seen = []
+    class OwnDevice(Learner):
+        def _set_device(self, b): seen.append(b); return super()._set_device(b)
+    own = OwnDevice(learn.dls, learn.model, loss_func=learn.loss_func)
+    assert patches._on_device(own, b) is not b and seen == [b] # the subclass's own, called
+    lb = list(b)
+    out = patches._on_device(learn, lb) # not a tuple: fastai's, which keeps its type
+    assert type(out) is list and all(x is y for x,y in zip(out, lb))
+    # and in a fit, callbacks see the tensors the loader yielded, themselves
+    got,yielded = [],[]
+    class Sees(Callback):
+        def before_batch(self):
+            if self.training: got.append((self.learn.xb[0], self.learn.yb[0]))
+    learn = digits_learner(16, cbs=[GradientAccumulation(32), Sees()])
+    def one_batch(i, b):
+        if learn.training: yielded.append(b)
+        return Learner.one_batch(learn, i, b)
+    learn.one_batch = one_batch # what fastai's `all_batches` calls, with each batch the loader yields
+    with learn.no_logging(), learn.no_bar(): learn.fit(1)
+    assert len(got) == len(yielded) == len(learn.dls.train)
+    assert all(x is b[0] and y is b[1] for (x,y),b in zip(got, yielded))

@@ -247,3 +247,29 @@ def test_class_weights_summing_below_one_are_exact():
     for bs,cb in ((4, GradientAccumulation(16)), (16, MicroBatching(4, verbose=False))): # 'auto': the loss's class weights
         m = run(bs, [cb])
         assert max((p-q).abs().max().item() for p,q in zip(m.parameters(), ref.parameters())) < 1e-12, type(cb).__name__
+
+def test_auto_rho_is_a_number_and_token_windows_stay_exact(lm_large):
+    """'auto' on a cross-entropy reads the targets per sample once (`AutoNormalize.rate`, one sync per loss): each window's rho
+    is a number on the host, so weighting costs no op per window. Any rho is exact: the padded LM still trains as the large
+    batch, and the plain classifier's rho is accum_bs itself"""
+    read = lm(*split('accum'))
+    assert_same_training(lm_large, read)
+    ga = next(cb for cb in read.cbs if isinstance(cb, GradientAccumulation))
+    r = ga.windows
+    assert isinstance(r.auto.rate, float) and 0 < r.auto.rate, r.auto.rate
+    assert isinstance(r.window.ref, float) and r.window.ref == max(r.auto.rate*r.window_bs, 1)
+    from fastxtend_accum.test_utils import digits_learner
+    learn = digits_learner(16, cbs=GradientAccumulation(64))
+    with learn.no_logging(), learn.no_bar(): learn.fit(1)
+    w = learn.gradient_accumulation.windows
+    assert w.auto.rate == 1.0 and w.window.ref == 64.0
+
+def test_token_count_splits_a_batch_at_once():
+    "`TokenCount.split_counts`: the counts of equal micro-batches at once, as counting each slice gives; `None` where it cannot"
+    y = torch.randint(0, 5, (12, 7)); y[y == 0] = IGNORE
+    c = TokenCount(IGNORE)
+    v = c.split_counts((y,), [4, 4, 4])
+    assert v.dtype == torch.float64 and torch.equal(v, torch.stack([c(None, (y[i:i+4],)) for i in (0, 4, 8)]))
+    assert c.split_counts((y,), [5, 5, 2]) is None and c.split_counts((y,), [12]) is None
+    assert c.split_counts((y,), [3, 3, 3]) is None # not the batch's rows
+    assert c.split_counts((y.float().sum(),), [1, 1]) is None and c.split_counts((), [4, 4]) is None

@@ -64,6 +64,7 @@ class GradientAccumulation(BatchSplitter):
         "Plan the epoch's windows from the loader's micro-batch sizes, where they are known ahead"
         r = self.windows
         self._drop_open_window(self.epoch-1) # an epoch cut short (`CancelEpochException`) skips `after_train`
+        self._forget_params() # the engine wraps the model after `before_fit`: its parameters are listed again
         if self.global_bs and self.deal_windows and self.windows.world_size > 1: # the same windows on any number of processes
             from fastxtend_accum.dealing import deal_windows # fastai.distributed, imported only where processes train
             deal_windows(self)

@@ -164,6 +164,7 @@ class MicroBatching(BatchSplitter):
     def before_train(self):
         "Find fastai's `MixedPrecision`, whose autocast each micro-batch reopens, and the sync object of the model's engine"
         self._mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
+        self._forget_params() # the engine wraps the model after `before_fit`: its parameters are listed again
         if self.sync.model is not self.learn.model: self.sync = window_sync(self.learn.model, self.grad_sync)
         if self.sync.sharded and not isinstance(self.micro_bs, int): # an OOM mid-forward would leave the others in an all-gather
             raise raised_everywhere(ValueError(linked(f"MicroBatching(micro_bs={self.micro_bs!r}) cannot search for a size on a "
@@ -248,8 +249,8 @@ class MicroBatching(BatchSplitter):
         mbs = [(slice_batch(xb, a, b, n), slice_batch(yb, a, b, n)) for a,b in spans]
         # one process, one micro-batch: fastai's loss as it is; else the batch is a window (see `window`)
         w = Window(n, getattr(self.counter, 'reduction', 'mean') == 'sum') if k > 1 or self.sync.world_size > 1 else None
-        counts = self._counts(mbs, sizes) if w is not None else [None]
-        if w is not None and not w.sum_reduced: w.ref = self._ref(sum(counts[1:], counts[0]))
+        counts,total = self._counts(mbs, sizes, yb) if w is not None else ([None],None)
+        if w is not None and not w.sum_reduced: w.ref = self._ref(total)
         if k > 1: self._check_bn()
         rows = self._row_states(n) if k > 1 else None # a recurrent model's state, handed to each micro-batch's rows
         mix = MixSplit(learn, n) if k > 1 else None
@@ -322,16 +323,19 @@ class MicroBatching(BatchSplitter):
         if self._awd is None: self._awd = RowStates.modules_of(self.learn.model)
         return RowStates(self._awd, n) if self._awd else None
 
-    def _counts(self, mbs, sizes)->list:
-        "Items in each micro-batch: this library's counts stay on the device; a user's are checked on the host (one sync a batch)"
-        if isinstance(self.counter, SampleCount): return sizes
+    def _counts(self, mbs, sizes, yb)->tuple:
+        "Items in each micro-batch, and in the batch: this library's counts stay on the device; a user's are checked on the host (one sync a batch)"
+        if isinstance(self.counter, SampleCount): return sizes,sum(sizes)
+        # a counter that counts every micro-batch of the batch's targets at once (`TokenCount`): a few ops, not a few per micro-batch
+        split = getattr(self.counter, 'split_counts', None)
+        if split is not None and (v := split(yb, sizes)) is not None: return list(v.unbind()),v.sum()
         cs = [check_count(self.normalize_by, self.counter(mxb, myb)) if s else 0. for (mxb,myb),s in zip(mbs, sizes)] # a stand-in counts 0
-        if not checks_counts(self.counter): return cs
+        if not checks_counts(self.counter): return cs,sum(cs[1:], cs[0])
         ts = [c for c in cs if isinstance(c, Tensor)]
         host = iter(torch.stack([c.to(ts[0].device) for c in ts]).tolist())
         cs = [next(host) if isinstance(c, Tensor) else c for c in cs]
         check_counts(self.normalize_by, min(cs), sum(cs))
-        return cs
+        return cs,sum(cs)
 
     @property
     def _manual_sync(self):
