@@ -13,8 +13,8 @@ The PyTorch, Accelerate and Lightning loops use PyTorch's `AdamW` with fastai `A
 fastai's `Adam` (what each framework's users get). Four measures:
 
 1. **Time**: CPU time of the training epochs (setup left out: Lightning builds a `Trainer` per fit) per micro-batch, the
-   peers interleaved (ABC.. ABC..) after a warm-up round; the ratio to the PyTorch loop of the same repetition, median
-   [min, max].
+   peers interleaved (ABC.. ..CBA: the order reversed every other repetition) after a warm-up round; the ratio to the
+   PyTorch loop of the same repetition, median [min, max].
 2. **Host syncs per optimizer step** (`syncs.SyncCounter`: `.item()`, `bool()`, `.cpu()`, `.tolist()`... of tensors that
    would be on the GPU; the loaders' host work and `torch.optim`'s host step counts left out), over one epoch, with the
    logging each peer does by default, and the variants that change it.
@@ -336,8 +336,8 @@ def bench_time(reps, n_epoch, skipped)->dict:
     n_mb = n_epoch*len(s.samples)//s.micro_bs
     for r in runs.values(): r.fit() # warm-up round
     cpu = {k: [] for k in runs}
-    for _ in range(reps): # interleaved
-        for k,r in runs.items():
+    for i in range(reps): # interleaved, in the opposite order every other repetition (ABC CBA ...): a drift of the machine's
+        for k,r in (runs.items() if i % 2 == 0 else reversed(runs.items())): # speed, or the place in the round, favours no peer
             gc.collect()
             cpu[k].append(r.fit())
     ref = cpu[TORCH_LOOP]
@@ -562,7 +562,7 @@ def report(res:dict)->tuple[str,str]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--quick', action='store_true', help='a smoke test: 2 repetitions of 1 epoch, one memory repetition')
-    p.add_argument('--reps', type=int, default=None, help='timed repetitions (default 15, quick 2)')
+    p.add_argument('--reps', type=int, default=None, help='timed repetitions (default 25, quick 2)')
     p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 1: short fits interleaved follow the load more closely)')
     p.add_argument('--parts', default='time,syncs,ops,exact,memory')
     p.add_argument('--out', type=Path, default=RESULTS)
@@ -576,7 +576,7 @@ def main(argv=None):
     res = dict(benchmark='peers', machine=machine(), versions=versions(), config=dict(threads=1, quick=a.quick, n_train=N_TRAIN,
                micro_bs=MICRO_BS, accum_bs=ACCUM_BS), skipped={}, name=a.name, note=a.note)
     parts = a.parts.split(',')
-    if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 15), a.epochs or 1, res['skipped'])
+    if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 25), a.epochs or 1, res['skipped'])
     if 'syncs' in parts: res['syncs'] = bench_syncs(res['skipped'])
     if 'ops' in parts: res['ops'] = bench_ops(res['skipped'])
     if 'exact' in parts: res['exact'] = bench_exact(res['skipped'], n_epoch=1 if a.quick else 2)
