@@ -35,6 +35,7 @@ class TokenCount:
                      sizes:list[int], # The samples of its micro-batches, in order along the first dimension
                     )->Tensor|None:
         "The counts of the micro-batches that split `yb` in `sizes` (equal ones), all at once, as a float64 vector; `None`: count one by one"
+        if type(self).__call__ is not TokenCount.__call__: return None # a subclass that counts its own way
         y,k = yb[0] if len(yb) and isinstance(yb[0], Tensor) else None,len(sizes)
         if y is None or y.ndim == 0 or k < 2 or sizes[0] < 1 or y.shape[0] != sizes[0]*k or any(s != sizes[0] for s in sizes): return None
         return (y != self.ignore_index).reshape(k, -1).sum(1, dtype=torch.float64)

@@ -273,3 +273,6 @@ def test_token_count_splits_a_batch_at_once():
     assert c.split_counts((y,), [5, 5, 2]) is None and c.split_counts((y,), [12]) is None
     assert c.split_counts((y,), [3, 3, 3]) is None # not the batch's rows
     assert c.split_counts((y.float().sum(),), [1, 1]) is None and c.split_counts((), [4, 4]) is None
+    class Own(TokenCount):
+        def __call__(self, xb, yb): return super().__call__(xb, yb)*2
+    assert Own(IGNORE).split_counts((y,), [4, 4, 4]) is None # counted by its own __call__, one by one
