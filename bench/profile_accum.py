@@ -183,11 +183,11 @@ def micro_timings(cb_factory)->list[tuple[str,float,str]]:
     res = []
     res.append((f"learn('after_pred'), fastai's dispatch (no fit accumulating): one event no callback of the fit handles, {len(cbs)} callbacks ({', '.join(type(c).__name__ for c in cbs)})",
                 per_call_us(lambda: learn('after_pred')), 'per event'))
-    acc = [c for c in cbs if getattr(type(c), 'splits_batches', False)]
-    if acc: # as inside a fit that accumulates: the library's dispatch (`patches`) calls the same callbacks
-        acc[0].accumulating = True
+    ga = learn.cbs.filter(lambda c: getattr(type(c), 'splits_batches', False))
+    if ga: # as inside a fit that accumulates: the library's dispatch (`patches`) calls the same callbacks
+        ga[0].accumulating = True
         try: res.append((f"learn('after_pred') as above, while the fit accumulates (the library's event dispatch)", per_call_us(lambda: learn('after_pred')), 'per event'))
-        finally: acc[0].accumulating = False
+        finally: ga[0].accumulating = False
     res.append(("learn.cbs.sorted('order') (done at every event)", per_call_us(lambda: learn.cbs.sorted('order')), 'per event'))
     cb = cbs[0]
     res.append((f"Callback.__call__('after_pred') on {type(cb).__name__}, which has no such method (getcallable falls through to the Learner)",
@@ -196,7 +196,6 @@ def micro_timings(cb_factory)->list[tuple[str,float,str]]:
                 'per callback per inner-loop event'))
     res.append(("getattr(cb, 'after_pred', None): a missing event method (AttributeError through GetAttr)", per_call_us(lambda: getattr(cb, 'after_pred', None)),
                 'per callback per event it lacks'))
-    ga = learn.cbs.filter(lambda c: getattr(type(c), 'splits_batches', False))
     res.append(("learn.iter (a plain attribute of the Learner)", per_call_us(lambda: learn.iter), ''))
     tec = learn.cbs[0]
     res.append((f"{type(tec).__name__}.__setattr__ of a name the Learner lacks (fastai's shadowing check: hasattr(learn, name))",

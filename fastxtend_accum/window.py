@@ -138,8 +138,7 @@ class Window:
         elif not any(isinstance(c, Tensor) for c in cs) and cs[0] > 0 and all(c == cs[0] for c in cs):
             items,loss_sum = sum(cs),l.sum(dtype=torch.float64)*cs[0] # samples, as many in each: one product
         else:
-            c = torch.stack([torch.as_tensor(c, dtype=torch.float64, device=l.device) for c in cs]) if not all(
-                isinstance(c, Tensor) for c in cs) else torch.stack(cs)
+            c = torch.stack([o if isinstance(o, Tensor) else torch.as_tensor(o, dtype=torch.float64, device=l.device) for o in cs])
             # a micro-batch with no items (all padding, zero class weights) has a NaN mean loss: it adds nothing
             # in float64 however the counts came (a loss's float32 total weight, `normalize.loss_items`)
             items,loss_sum = c.sum(dtype=torch.float64),(l*c).masked_fill_(c.le(0), 0.).sum(dtype=torch.float64)
@@ -323,7 +322,7 @@ class Windows:
         "rho, what the open window's weights divide by: its samples, the items 'auto' expects, or those of its first micro-batch"
         if self.by_samples: return self.window_bs
         # 'auto' read a cross-entropy's items per sample once, on the host (`AutoNormalize.rate`): a number, no op per window
-        rate = getattr(self.auto, 'rate', None) if self.world_size == 1 and self.reads_loss else None
+        rate = self.auto.rate if self.world_size == 1 and self.reads_loss else None
         if rate is not None: return max(rate*self.window_bs, 1)
         return window_ref(self.window_bs, self.mb_items, self.mb_samples, self.rate)
 

@@ -3,7 +3,7 @@ the parameters and losses of the large batch's token mean, in float64; the per-m
 import torch
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.normalize import TokenCount
-from fastxtend_accum.test_utils import max_param_diff
+from fastxtend_accum.test_utils import max_param_diff, digits_learner
 from fastxtend_accum.test_utils import text_learner, text_samples, text_dl, IGNORE
 
 MICRO_BS,ACCUM_BS,N_EPOCH = 16,64,2 # 300 lines: micro-batches of 16 end with one of 12, windows of 64 with one of 44
@@ -258,7 +258,6 @@ def test_auto_rho_is_a_number_and_token_windows_stay_exact(lm_large):
     r = ga.windows
     assert isinstance(r.auto.rate, float) and 0 < r.auto.rate, r.auto.rate
     assert isinstance(r.window.ref, float) and r.window.ref == max(r.auto.rate*r.window_bs, 1)
-    from fastxtend_accum.test_utils import digits_learner
     learn = digits_learner(16, cbs=GradientAccumulation(64))
     with learn.no_logging(), learn.no_bar(): learn.fit(1)
     w = learn.gradient_accumulation.windows
