@@ -211,7 +211,9 @@ class _Dispatch:
             except Exception as e:
                 raise modify_exception(e, f'Exception occured in `{cb.__class__.__name__}` when calling event `{event_name}`:\n\t{e.args[0]}', replace=True)
 
-_plans = weakref.WeakKeyDictionary() # Learner: its `_Dispatch`
+# Learner: its `_Dispatch`, only while a fit accumulates. The `_Dispatch` holds the callbacks, and they the Learner: an entry
+# left behind would keep the Learner and its model alive for good (a weak key does not die while its value holds it)
+_plans = weakref.WeakKeyDictionary()
 
 def _dispatch(learn:Learner, event_name)->_Dispatch|None:
     "The Learner's dispatch while an accumulation callback runs its fit, for an event fastai defines; None: fastai's own"
@@ -220,8 +222,10 @@ def _dispatch(learn:Learner, event_name)->_Dispatch|None:
     items = cbs.items if isinstance(cbs, L) else None
     if event_name not in _EVENTS or type(items) is not list: return None
     p = _plans.get(learn)
-    if p is None or p.key != items: p = _plans[learn] = _Dispatch(items)
-    return p if p.running() else None
+    if p is not None and p.key == items and p.running(): return p
+    p = _Dispatch(items) # a new Learner, callbacks added or removed, or none of them running
+    if p.running(): _plans[learn] = p; return p
+    _plans.pop(learn, None) # no fit accumulating (`Learner.__init__`'s `after_create`, `get_preds` after a fit): nothing kept
 
 @replaces(Learner, "one event name: no `L` built for it, while accumulating")
 def __call__(self:Learner, event_name):

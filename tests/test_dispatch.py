@@ -145,6 +145,31 @@ def test_same_exception_as_fastai(name):
     assert fast == slow
     assert lf not in patches._plans # nothing holds the Learner after a fit that raised
 
+@pytest.mark.parametrize('name', list(SPLITTERS))
+def test_learners_are_freed(name):
+    "Nothing of the library keeps a Learner (and its model, on a GPU its memory) alive: built only, or after a fit and get_preds"
+    import gc, weakref
+    def freed(use):
+        learn = digits_learner(32, n_train=128, cbs=SPLITTERS[name]())
+        use(learn)
+        ref = weakref.ref(learn.model)
+        del learn; gc.collect()
+        return ref() is None
+    assert freed(lambda l: None) # `Learner.__init__` runs `after_create` through the patched `__call__`
+    def fit_then_predict(l):
+        l.fit(1)
+        l.get_preds(dl=l.dls.train) # events after the fit, none accumulating
+        assert l not in patches._plans
+    assert freed(fit_then_predict)
+    def inside_a_fit(l):
+        seen = []
+        class Look(Callback):
+            def after_pred(self): seen.append(self.learn in patches._plans)
+        l.fit(1, cbs=Look())
+        assert seen and all(seen) # the library's dispatch ran the fit's events, and let go of the Learner after it
+        assert l not in patches._plans
+    assert freed(inside_a_fit)
+
 def test_fastai_dispatch_without_accumulation():
     "No accumulation callback: fastai's own dispatch runs every event"
     with counting_fast_calls() as n: digits_learner(32, n_train=128).fit(1)
