@@ -20,7 +20,8 @@ class DeviceSmoothLoss(AvgSmoothLoss):
         "fastai's `torch.lerp` of the loss (gathered over processes), on the device"
         self.count += 1
         loss = to_detach(learn.loss.mean(), cpu=False)
-        self.val = torch.lerp(loss, self.val.to(loss), self.beta)
+        # fastai's `reset` leaves a 0 on the host: copied to the device without waiting for it (a blocking copy syncs)
+        self.val = torch.lerp(loss, self.val.to(loss, non_blocking=True), self.beta)
     @property
     def value(self):
         "The smoothed loss: a tensor on the device, or a float once read to the host at the epoch's end"
