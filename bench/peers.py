@@ -27,12 +27,20 @@ fastai's `Adam` (what each framework's users get). Four measures:
    64-4096-10 whose activations dominate; the increase of the resident set (`VmHWM` reset after a warm-up epoch) over the
    resident set before the epoch, against the PyTorch loop without accumulation on batches of 256.
 
+On a GPU (`--device cuda`): the same peers, each on its own loader moving the batches to the GPU, timed in wall time with the
+GPU synchronized at each epoch's end (the host's time per micro-batch, the waits included), and the syncs counted twice: as
+above, and as CUDA itself reports them (`torch.cuda.set_sync_debug_mode('warn')`). Time, syncs and exactness only.
+
+    python bench/peers.py --device cuda --reps 21 --name peers_gpu
+
 Prints the tables and writes `results/peers.json` and `peers.md`."""
 from __future__ import annotations
 import argparse, gc, json, os, statistics, sys, time, warnings
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.modules.setdefault('torchvision', None) # Lightning's torchmetrics imports it when installed, and it is broken here
+try: import torchvision # Lightning's torchmetrics imports it when installed
+except ModuleNotFoundError: pass
+except Exception: sys.modules['torchvision'] = None # installed but broken (here, on the CPU): torchmetrics goes without it
 from common import *
 from syncs import paused_iter
 from overhead import torch_adam, fastai_as_shipped
@@ -94,10 +102,14 @@ def versions()->dict:
         except Exception as e: v[name] = f'not available ({type(e).__name__}: {str(e)[:80]})'
     return v
 
+DEVICE = 'cpu' # where the models train (`--device`): every peer's own loader moves each batch there, as its users' does
+
 class Setup:
-    "What every peer shares: the samples, the model's start, the sizes, the dtype, the schedule"
+    "What every peer shares: the samples, the model's start, the sizes, the dtype, the schedule, the device and its clock"
     def __init__(self, n=N_TRAIN, hidden=128, n_layers=2, micro_bs=MICRO_BS, accum_bs=ACCUM_BS, dtype=torch.float32,
-                 lr=1e-3, one_cycle=False, n_epoch=2):
+                 lr=1e-3, one_cycle=False, n_epoch=2, device=None):
+        self.device = torch.device(device or DEVICE)
+        self.cuda,self.sync_clock = self.device.type == 'cuda',True
         self.x,self.y = digits_tensors(n, dtype=dtype)
         self.samples = list(zip(self.x, self.y))
         self.hidden,self.n_layers,self.micro_bs,self.accum_bs,self.dtype = hidden,n_layers,micro_bs,accum_bs,dtype
@@ -106,7 +118,12 @@ class Setup:
     def model(self):
         m = mlp(self.hidden, self.n_layers).to(self.dtype)
         m.load_state_dict(self.init)
-        return m
+        return m.to(self.device)
+    def clock(self)->float:
+        "Seconds: the process's CPU time on the CPU; on a GPU, wall time once the GPU has done what it was given (its throughput)"
+        if not self.cuda: return time.process_time()
+        if self.sync_clock: torch.cuda.synchronize(self.device) # not while syncs are counted: the clock's own is not the peer's
+        return time.perf_counter()
     def torch_dl(self, bs):
         g = torch.Generator(); g.manual_seed(0) # the same permutation for any bs
         return torch.utils.data.DataLoader(self.samples, batch_size=bs, shuffle=True, drop_last=True, generator=g, num_workers=0)
@@ -132,9 +149,10 @@ class TorchLoop(Run):
         sched = torch.optim.lr_scheduler.OneCycleLR(self.opt, s.lr, total_steps=s.n_epoch*s.steps_per_epoch()) if s.one_cycle else None
         self._lrs,cpu = [],0.
         for _ in range(s.n_epoch):
-            c0 = time.process_time()
+            c0 = s.clock()
             self.model.train(); n_seen = 0
             for xb,yb in self.dl:
+                if s.cuda: xb,yb = xb.to(s.device, non_blocking=True),yb.to(s.device, non_blocking=True)
                 loss = self.loss_func(self.model(xb), yb)
                 (loss*(len(yb)/self.accum_bs)).backward() # the window's mean: sum_i (n_i/accum_bs) mean_i
                 n_seen += len(yb)
@@ -142,7 +160,7 @@ class TorchLoop(Run):
                     if s.one_cycle: self._lrs.append(self.opt.param_groups[0]['lr'])
                     self.opt.step(); self.opt.zero_grad(); n_seen = 0
                     if sched is not None: sched.step()
-            cpu += time.process_time()-c0
+            cpu += s.clock()-c0
         return cpu
     def lrs(self): return self._lrs
 
@@ -150,7 +168,7 @@ class TensorBatches:
     "Shuffled batches indexed out of the tensors, no collation: what the loop costs without a loader"
     def __init__(self, x, y, bs): self.x,self.y,self.bs,self.generator = x,y,bs,torch.Generator()
     def __iter__(self):
-        idx = torch.randperm(len(self.x), generator=self.generator)
+        idx = torch.randperm(len(self.x), generator=self.generator).to(self.x.device)
         for i in range(0, len(idx) - len(idx)%self.bs, self.bs): yield self.x[idx[i:i+self.bs]],self.y[idx[i:i+self.bs]]
 
 class AccelerateLoop(Run):
@@ -158,7 +176,7 @@ class AccelerateLoop(Run):
     _accelerator = None
     def __init__(self, s:Setup):
         from accelerate import Accelerator
-        if AccelerateLoop._accelerator is None: AccelerateLoop._accelerator = Accelerator(cpu=True, gradient_accumulation_steps=K)
+        if AccelerateLoop._accelerator is None: AccelerateLoop._accelerator = Accelerator(cpu=not s.cuda, gradient_accumulation_steps=K)
         self.acc,self.s = AccelerateLoop._accelerator,s
         self.model = s.model(); self.loss_func = nn.CrossEntropyLoss()
         self.opt = torch_adam(self.model.parameters(), s.lr)
@@ -176,7 +194,7 @@ class AccelerateLoop(Run):
         self.popt.optimizer.state.clear()
         cpu = 0.
         for _ in range(s.n_epoch):
-            c0 = time.process_time()
+            c0 = s.clock()
             self.pmodel.train()
             for xb,yb in self.dl if self.counter is None else paused_iter(self.dl, self.counter):
                 with acc.accumulate(self.pmodel):
@@ -186,7 +204,7 @@ class AccelerateLoop(Run):
                     self.popt.step() # a no-op until the window is complete
                     if self.psched is not None: self.psched.step()
                     self.popt.zero_grad()
-            cpu += time.process_time()-c0
+            cpu += s.clock()-c0
         return cpu
     def lrs(self): return self._lrs
     def pause_in_loader(self, counter): self.counter = counter # Accelerate's loader refuses a new class
@@ -218,16 +236,16 @@ class LightningLoop(Run):
     def fit(self):
         L,s = self.L,self.s
         self.model.load_state_dict(s.init); self.dl.generator.manual_seed(0); self._lrs = []
-        trainer = L.Trainer(max_epochs=s.n_epoch, accelerator='cpu', devices=1, accumulate_grad_batches=self.accumulate,
+        trainer = L.Trainer(max_epochs=s.n_epoch, accelerator='gpu' if s.cuda else 'cpu', devices=1, accumulate_grad_batches=self.accumulate,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             num_sanity_val_steps=0, use_distributed_sampler=False, limit_val_batches=0,
                             precision='64-true' if s.dtype == torch.float64 else '32-true')
         loop,cpu = trainer.fit_loop.epoch_loop,[0.]
         run_epoch = loop.run
         def timed(*args, **kwargs):
-            c0 = time.process_time()
+            c0 = s.clock()
             try: return run_epoch(*args, **kwargs)
-            finally: cpu[0] += time.process_time()-c0
+            finally: cpu[0] += s.clock()-c0
         loop.run = timed
         trainer.fit(self.module, train_dataloaders=self.dl)
         return cpu[0]
@@ -236,7 +254,7 @@ class LightningLoop(Run):
 def fastai_learner(s:Setup, bs, cbs=(), opt_func=None):
     from fastai.basics import Learner, DataLoaders, Adam, noop
     from fastai.callback.progress import ProgressCallback
-    dls = DataLoaders.from_dsets(s.samples, [], bs=bs, num_workers=0, device='cpu') # no validation set: training only
+    dls = DataLoaders.from_dsets(s.samples, [], bs=bs, num_workers=0, device=s.device) # no validation set: training only
     learn = Learner(dls, s.model(), loss_func=nn.CrossEntropyLoss(), opt_func=opt_func or Adam, lr=s.lr, cbs=list(cbs))
     learn.remove_cb(ProgressCallback)
     learn.logger = noop
@@ -253,9 +271,9 @@ class FastaiRun(Run):
         self.model = self.learn.model
         do_epoch,self.cpu = self.learn._do_epoch,[0.]
         def timed():
-            c0 = time.process_time()
+            c0 = s.clock()
             try: return do_epoch()
-            finally: self.cpu[0] += time.process_time()-c0
+            finally: self.cpu[0] += s.clock()-c0
         self.learn._do_epoch = timed
     def fit(self):
         from contextlib import nullcontext
@@ -351,7 +369,7 @@ def bench_time(reps, n_epoch, skipped)->dict:
         # the two ratios to the PyTorch loop compared: the same as the two times compared side by side in each repetition
         r,target = spread(ta/tb for ta,tb in zip(cpu[a], cpu[b])),AUTO_TARGET.get(b, 1.)
         if (a,b) in WHAT_IF: target = None # a prototype's figure, not a target of the library
-        targets.append(dict(measure='CPU time', variant=a, reference=b, **r, best_of=min(cpu[a])/min(cpu[b]), x_torch_loop=[rows[a]['x_torch_loop']['median'],
+        targets.append(dict(measure='wall time' if s.cuda else 'CPU time', variant=a, reference=b, **r, best_of=min(cpu[a])/min(cpu[b]), x_torch_loop=[rows[a]['x_torch_loop']['median'],
                             rows[b]['x_torch_loop']['median']], target=target, met=None if target is None else r['median'] <= target))
     return dict(n_epoch=n_epoch, reps=reps, micro_batches=n_mb, rows=rows, targets=targets)
 
@@ -362,6 +380,7 @@ def bench_syncs(skipped)->dict:
     (an epoch's own syncs spread over its steps); what is left of the first fit is the count per fit (setup, teardown)"""
     from syncs import SyncCounter
     s = Setup(n_epoch=1)
+    s.sync_clock = False
     runs = build(SYNCED, s, skipped)
     n_steps,n_mb = s.steps_per_epoch(),len(s.samples)//s.micro_bs
     res = {}
@@ -371,7 +390,7 @@ def bench_syncs(skipped)->dict:
         counts = []
         for n_epoch in (1, 2):
             s.n_epoch = n_epoch
-            c = SyncCounter()
+            c = SyncCounter(cuda=s.cuda)
             r.pause_in_loader(c)
             with c: r.fit()
             counts.append(c)
@@ -381,6 +400,10 @@ def bench_syncs(skipped)->dict:
                       by_kind={kind: (n2-c1.by_kind[kind])/n_steps for kind,n2 in c2.by_kind.items()},
                       sites=[f"{n} x {kind} at {site}" for (kind,site),n in c2.by_site.most_common(6)],
                       torch_optim_host_reads=sum(c2.host_reads.values()), total_2_epochs=c2.total)
+        if s.cuda: # what CUDA reported: the same per step and per fit, and where
+            cuda_epoch = c2.cuda_total-c1.cuda_total
+            res[k].update(cuda_per_step=cuda_epoch/n_steps, cuda_per_fit=c1.cuda_total-cuda_epoch,
+                          cuda_sites=[f"{n} x {site}" for site,n in c2.cuda_by_site.most_common(4)])
     s.n_epoch = 1
     return res
 
@@ -414,7 +437,8 @@ def bench_ops(skipped)->dict:
 
 # --- 3. exactness ---
 
-def max_diff(a, b)->float: return max((p-q).abs().max().item() for p,q in zip(a.parameters(), b.parameters()))
+def max_diff(a, b)->float: # on the host: Lightning moves its model back there after a fit
+    return max((p.detach().cpu()-q.detach().cpu()).abs().max().item() for p,q in zip(a.parameters(), b.parameters()))
 
 def bench_exact(skipped, n_epoch=2, lr=1e-2)->dict:
     s = Setup(dtype=torch.float64, one_cycle=True, n_epoch=n_epoch, lr=lr)
@@ -446,7 +470,7 @@ def bench_exact(skipped, n_epoch=2, lr=1e-2)->dict:
 def _memory_child(name, batch, k)->dict:
     from memory import reset_peak, status_kb, maxrss_bytes
     warnings.simplefilter('ignore')
-    s = Setup(n=batch, hidden=4096, n_layers=1, micro_bs=batch//k, accum_bs=batch, n_epoch=1)
+    s = Setup(n=batch, hidden=4096, n_layers=1, micro_bs=batch//k, accum_bs=batch, n_epoch=1, device='cpu') # the host's resident set
     if name == 'PyTorch loop, no accumulation': r = TorchLoop(s, bs=batch//k, accum_bs=batch//k)
     elif name == 'PyTorch loop, large batch': r = TorchLoop(s, bs=batch, accum_bs=batch)
     else: r = builders()[name](s)
@@ -494,40 +518,48 @@ def fmt_spread(d, f='{:.2f}')->str: return f"{f.format(d['median'])} [{f.format(
 
 def report(res:dict)->tuple[str,str]:
     cfg = res['config']
-    head = (f"Peers: CPU, {cfg['threads']} thread, digits repeated to {N_TRAIN} samples, MLP 64-128-128-10, Adam, micro-batches of "
+    gpu = cfg.get('device', 'cpu') != 'cpu'
+    where = f"GPU ({cfg.get('gpu')}), 1 CPU thread" if gpu else f"CPU, {cfg['threads']} thread"
+    clock = ("times are wall time, the GPU synchronized at each epoch's end (the host's time per micro-batch, waits included), "
+             if gpu else "times are CPU time, ")
+    head = (f"Peers: {where}, digits repeated to {N_TRAIN} samples, MLP 64-128-128-10, Adam, micro-batches of "
             f"{MICRO_BS}, {ACCUM_BS} samples per optimizer step; every peer on its own framework's loader (fastai's with "
             f"num_workers=0). Versions: {', '.join(f'{k} {v}' for k,v in res['versions'].items())}. The machine was shared "
             f"with other jobs (load average {res['machine'].get('load_avg')} at the start, {res.get('load_end')} at the end): "
-            "times are CPU time, ratios measured side by side in each repetition.")
+            f"{clock}ratios measured side by side in each repetition.")
     out = [head, '']
     t = res.get('time')
     if t:
         rows = [[k, fmt_spread(v['us_per_micro_batch'], '{:.0f}'), fmt_spread(v['x_torch_loop']), f"{v['best_of']:.2f}"] for k,v in
                 sorted(t['rows'].items(), key=lambda kv: kv[1]['x_torch_loop']['median'])]
-        title = (f"### Time: CPU us per micro-batch, {t['reps']} interleaved repetitions of {t['n_epoch']} epochs ({t['micro_batches']} "
+        title = (f"### Time: {'wall' if gpu else 'CPU'} us per micro-batch, {t['reps']} interleaved repetitions of {t['n_epoch']} epochs ({t['micro_batches']} "
                  "micro-batches), median [min, max]")
         out += [title, '', md_table(['way to train', 'us / micro-batch', 'x PyTorch loop', 'best-of (fastest / fastest)'], rows), '']
         if t['targets']:
             trows = [[f"{r['variant']} / {r['reference']}", fmt_spread(r, '{:.3f}'), f"{r['best_of']:.3f}", f"{r['x_torch_loop'][0]:.2f} vs {r['x_torch_loop'][1]:.2f}",
                       '-' if r['target'] is None else f"<= {r['target']:.2f}",
                       '(not judged)' if r['met'] is None else 'met' if r['met'] else '**not met**'] for r in t['targets']]
-            out += ["Targets (issue 26): this library's callback at or below the peer's ratio to the PyTorch loop, i.e. its CPU time "
+            out += [f"Targets (issue 26): this library's callback at or below the peer's ratio to the PyTorch loop, i.e. its {'wall' if gpu else 'CPU'} time "
                     "over the peer's, measured side by side in each repetition, at most 1 ('auto' at most 1.02x 'samples'). The rows "
                     "\"fastai's event dispatch\" are the library's callback with fastai's own `Learner.__call__`/`_call_one` put "
                     "back, to show what the library's exact dispatch (`patches`) saves; 'OptimWrapper(torch AdamW)' shows what "
                     "fastai's `Adam` costs against the PyTorch optimizer the other loops use.", '',
-                    md_table(['CPU time ratio', 'median [min, max]', 'best-of', 'x PyTorch loop, both', 'target', ''], trows), '']
+                    md_table([f"{'wall' if gpu else 'CPU'} time ratio", 'median [min, max]', 'best-of', 'x PyTorch loop, both', 'target', ''], trows), '']
     sy = res.get('syncs')
     if sy:
         rows = [[k, f"{v['per_step']:.2f}", f"{v['per_micro_batch']:.2f}", f"{v['per_fit']:g}",
-                 ', '.join(f'{n:.2f} {kind}' for kind,n in v['by_kind'].items() if n) or '-', '; '.join(v['sites'][:3]) or '-'] for k,v in sy.items()]
+                 ', '.join(f'{n:.2f} {kind}' for kind,n in v['by_kind'].items() if n) or '-', '; '.join(v['sites'][:3]) or '-']
+                + ([f"{v['cuda_per_step']:.2f}", f"{v['cuda_per_fit']:g}", '; '.join(v['cuda_sites'][:3]) or '-'] if gpu else []) for k,v in sy.items()]
+        cuda_cols = ['CUDA: per step', 'CUDA: per fit', 'CUDA: where'] if gpu else []
+        cuda_text = (" On the GPU, the last three columns are what CUDA itself reported (`torch.cuda.set_sync_debug_mode('warn')`, "
+                     "the loaders' work left out alike), a check of the first ones." if gpu else '')
         out += ["### Host syncs per optimizer step",  '',
                 "What a fit of 2 epochs makes beyond a fit of 1 epoch, over that epoch's 25 optimizer steps (100 micro-batches): "
                 "an epoch's own syncs (its records) are spread over its steps; 'per fit' is what the 1-epoch fit made beyond its "
                 "epoch (setup, teardown). `.item()`, `bool()`, `.cpu()`, `.tolist()`, `.numpy()` of tensors that would be on the "
                 "GPU (`bench/syncs.py`); the loaders' work and `torch.optim`'s host step counts are left out. Where: the most "
-                "frequent sites in the 2-epoch fit.", '',
-                md_table(['way to train', 'per step', 'per micro-batch', 'per fit', 'kinds, per step', 'where (most frequent)'], rows), '']
+                "frequent sites in the 2-epoch fit." + cuda_text, '',
+                md_table(['way to train', 'per step', 'per micro-batch', 'per fit', 'kinds, per step', 'where (most frequent)'] + cuda_cols, rows), '']
     op = res.get('ops')
     if op:
         rows = [[k, f"{v['auto']:.2f}", f"{v['samples']:.2f}", f"{v['auto']-v['samples']:+.2f}",
@@ -564,18 +596,25 @@ def main(argv=None):
     p.add_argument('--quick', action='store_true', help='a smoke test: 2 repetitions of 1 epoch, one memory repetition')
     p.add_argument('--reps', type=int, default=None, help='timed repetitions (default 25, quick 2)')
     p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 1: short fits interleaved follow the load more closely)')
-    p.add_argument('--parts', default='time,syncs,ops,exact,memory')
+    p.add_argument('--parts', default=None, help='default: time,syncs,ops,exact,memory on the CPU; time,syncs,exact on a GPU '
+                   "(ATen ops do not depend on the device; memory is measured as the host's resident set)")
+    p.add_argument('--device', default='cpu', help="where the models train: 'cpu', or 'cuda' (each peer's loader moves the batches)")
     p.add_argument('--out', type=Path, default=RESULTS)
     p.add_argument('--name', default='peers', help="the results' file name (<name>.json, .md) and section title: a partial run "
                    "written beside the full one")
     p.add_argument('--note', default='', help="a sentence under the section's title (what this run is)")
     a = p.parse_args(argv)
+    global DEVICE
+    DEVICE = a.device
+    gpu = torch.device(a.device).type == 'cuda'
+    if gpu and not torch.cuda.is_available(): print(f'--device {a.device}: no CUDA GPU here'); return
     set_threads(1)
     warnings.filterwarnings('ignore')
     start = time.perf_counter()
     res = dict(benchmark='peers', machine=machine(), versions=versions(), config=dict(threads=1, quick=a.quick, n_train=N_TRAIN,
-               micro_bs=MICRO_BS, accum_bs=ACCUM_BS), skipped={}, name=a.name, note=a.note)
-    parts = a.parts.split(',')
+               micro_bs=MICRO_BS, accum_bs=ACCUM_BS, device=a.device, gpu=torch.cuda.get_device_name(a.device) if gpu else None),
+               skipped={}, name=a.name, note=a.note)
+    parts = (a.parts or ('time,syncs,exact' if gpu else 'time,syncs,ops,exact,memory')).split(',')
     if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 25), a.epochs or 1, res['skipped'])
     if 'syncs' in parts: res['syncs'] = bench_syncs(res['skipped'])
     if 'ops' in parts: res['ops'] = bench_ops(res['skipped'])

@@ -11,9 +11,13 @@ reads made inside `torch/optim/` are kept apart, in `host_reads`, not counted as
 
     with SyncCounter() as c: train()
     c.total, c.by_kind, c.by_site   # counts, per kind, per (kind, first frame outside torch)
+
+On a GPU, `SyncCounter(cuda=True)` also counts the syncs CUDA itself reports (`torch.cuda.set_sync_debug_mode('warn')`: a
+warning at each synchronizing call, a host copy of a batch to the device included) in `c.cuda_by_site`, paused alike: a check
+of the counts above that does not depend on knowing which calls sync.
 """
 from __future__ import annotations
-import sys
+import os, sys, warnings
 from collections import Counter
 from contextlib import contextmanager
 import torch
@@ -26,7 +30,8 @@ _aten = torch.ops.aten
 SYNC_OPS = {_aten._local_scalar_dense.default: 'item/bool/float', _aten.is_nonzero.default: 'is_nonzero',
             _aten.equal.default: 'equal'}
 HOST_COPIES = {torch.Tensor.cpu: '.cpu()', torch.Tensor.tolist: '.tolist()', torch.Tensor.numpy: '.numpy()'}
-_SKIP = ('/torch/', '/syncs.py', '/contextlib.py')
+_TORCH = os.path.dirname(torch.__file__) + os.sep # torch's own frames (not a path that merely holds 'torch', as /opt/torch/.venv)
+_SKIP = (os.sep + 'syncs.py', os.sep + 'contextlib.py', os.sep + 'warnings.py')
 
 def _in_optim(f)->bool:
     "Whether the call comes from `torch.optim`, whose `step` counts live on the host"
@@ -37,7 +42,7 @@ def _in_optim(f)->bool:
 
 def _site(f)->str:
     "The first frame outside torch and this module: where the sync was asked for"
-    while f is not None and any(s in f.f_code.co_filename for s in _SKIP): f = f.f_back
+    while f is not None and (f.f_code.co_filename.startswith(_TORCH) or f.f_code.co_filename.endswith(_SKIP)): f = f.f_back
     if f is None: return '?'
     parts = f.f_code.co_filename.replace('\\', '/').split('/')
     return f"{'/'.join(parts[-2:])}:{f.f_lineno} ({f.f_code.co_name})"
@@ -59,7 +64,7 @@ class _Function(TorchFunctionMode):
 
 class SyncCounter:
     "Count the syncs a block of code would make with its tensors on a GPU (see the module's docstring)"
-    def __init__(self): self.by_site,self.host_reads,self._paused = Counter(),Counter(),0
+    def __init__(self, cuda:bool=False): self.by_site,self.host_reads,self.cuda_by_site,self.cuda,self._paused = Counter(),Counter(),Counter(),cuda,0
     def _count(self, kind):
         if self._paused: return
         f = sys._getframe(2)
@@ -72,7 +77,13 @@ class SyncCounter:
         c = Counter()
         for (k,_),n in self.by_site.items(): c[k] += n
         return c
-    def reset(self): self.by_site.clear(); self.host_reads.clear()
+    @property
+    def cuda_total(self)->int: return sum(self.cuda_by_site.values())
+    def reset(self): self.by_site.clear(); self.host_reads.clear(); self.cuda_by_site.clear()
+    def _cuda_warning(self, message, category, filename, lineno, file=None, line=None):
+        "`warnings.showwarning` while counting: CUDA's sync warnings counted where they were asked for, other warnings shown"
+        if 'synchroniz' not in str(message).lower(): return self._show(message, category, filename, lineno, file, line)
+        if not self._paused: self.cuda_by_site[_site(sys._getframe(1))] += 1
     @contextmanager
     def paused(self):
         "Leave what runs inside uncounted (a data loader's host work)"
@@ -80,11 +91,20 @@ class SyncCounter:
         try: yield
         finally: self._paused -= 1
     def __enter__(self):
+        if self.cuda:
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
+            warnings.simplefilter('always') # every sync warns, not only the first at each line
+            self._show,warnings.showwarning = warnings.showwarning,self._cuda_warning
+            torch.cuda.set_sync_debug_mode('warn')
         self._modes = [_Function(self), _Dispatch(self)]
         for m in self._modes: m.__enter__()
         return self
     def __exit__(self, *exc):
         for m in reversed(self._modes): m.__exit__(*exc)
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode(0)
+            self._warnings.__exit__(*exc)
         return False
     def report(self, top:int=5)->str:
         return ', '.join(f"{n} x {k} at {s}" for (k,s),n in self.by_site.most_common(top))

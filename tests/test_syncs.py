@@ -143,3 +143,21 @@ def test_user_counter_checked_once_per_step():
     count = lambda xb, yb: (yb[0] != -100).sum()
     n,c = _per_epoch(_learner([GradientAccumulation(64, normalize_by=count)], CE, 16))
     assert n <= 2*(256//64) + 1, c.report()
+
+def test_cuda_reports_counted_where_asked_for(monkeypatch):
+    "`SyncCounter(cuda=True)`: CUDA's sync warnings (simulated here: no GPU) counted at the caller, paused alike; other warnings still shown"
+    import warnings
+    modes = []
+    monkeypatch.setattr(torch.cuda, 'set_sync_debug_mode', modes.append)
+    def synchronizing(): warnings.warn('called a synchronizing CUDA operation') # what torch warns in mode 'warn'
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter('always')
+        with SyncCounter(cuda=True) as c:
+            synchronizing(); synchronizing()
+            with c.paused(): synchronizing() # a loader's copy of its batch to the device
+            warnings.warn('something else')
+    assert modes == ['warn', 0] # on for the block, off after it
+    assert c.cuda_total == 2 and c.total == 0, c.cuda_by_site
+    (site,) = c.cuda_by_site
+    assert 'test_syncs.py' in site and 'synchronizing' in site, site
+    assert [str(w.message) for w in shown] == ['something else']
