@@ -79,19 +79,26 @@ GA_SAMPLES_FAST = "GradientAccumulation(128, normalize_by='samples'), fastai's e
 # also not a target: the library's callback with PyTorch's AdamW (foreach) through fastai's `OptimWrapper`, the optimizer the
 # PyTorch, Accelerate and Lightning loops use, instead of fastai's `Adam` (a Python loop over the parameters)
 GA_TORCH_OPT = "GradientAccumulation(128), OptimWrapper(torch AdamW)"
+# also not a target: the library's callbacks on PyTorch's `DataLoader` (which fastai's `Learner` takes as it is), the loader
+# the PyTorch, Accelerate and Lightning loops use, instead of fastai's: what of the gap to them is the loader's
+GA_TORCH_DL = "GradientAccumulation(128) on PyTorch's DataLoader"
+MICRO_TORCH_DL = "MicroBatching(32) on PyTorch's DataLoader of 128"
 # what 'auto' did before it read a cross-entropy's count from the loss: the same count, taken from the targets on the device
 GA_TOKENS = 'GradientAccumulation(128, normalize_by=TokenCount())'
 TIMED = [TORCH_LOOP, TORCH_TENSORS, ACCELERATE, LIGHTNING, FASTAI_NOACC, FASTAI_GA, FASTXTEND, GA_AUTO, GA_SAMPLES, SCHED, MICRO, MICRO_SAMPLES,
-         GA_FAST, GA_SAMPLES_FAST, GA_TORCH_OPT, GA_TOKENS]
+         GA_FAST, GA_SAMPLES_FAST, GA_TORCH_OPT, GA_TOKENS, GA_TORCH_DL, MICRO_TORCH_DL]
 SYNCED = [TORCH_LOOP, ACCELERATE, LIGHTNING, LIGHTNING_LOG, FASTAI_NOACC, FASTAI_GA, FASTXTEND, GA_AUTO, GA_AUTO_NOLOG, GA_SAMPLES,
           GA_SAMPLES_NOLOG, SCHED, SCHED_SAMPLES, SCHED_NOLOG, SCHED_SAMPLES_NOLOG, MICRO, MICRO_SAMPLES, GA_DEVICE, SCHED_DEVICE,
           MICRO_DEVICE]
-EXACT = [TORCH_LOOP, ACCELERATE, LIGHTNING, FASTAI_GA, FASTXTEND, GA_AUTO, GA_SAMPLES, SCHED, MICRO, MICRO_SAMPLES, GA_FAST]
+EXACT = [TORCH_LOOP, ACCELERATE, LIGHTNING, FASTAI_GA, FASTXTEND, GA_AUTO, GA_SAMPLES, SCHED, MICRO, MICRO_SAMPLES, GA_FAST, GA_TORCH_DL,
+         MICRO_TORCH_DL]
+TORCH_DL = {GA_TORCH_DL, MICRO_TORCH_DL} # fastai on PyTorch's loader: against fastai's large batch on the same loader
 # issue 26's targets: this library's callbacks at or below a peer's ratio to the PyTorch loop
 TARGETS = [(GA_AUTO, LIGHTNING), (GA_SAMPLES, LIGHTNING), (MICRO, ACCELERATE), (MICRO_SAMPLES, ACCELERATE), (GA_AUTO, GA_SAMPLES),
            (MICRO, MICRO_SAMPLES)]
 AUTO_TARGET = {GA_SAMPLES: 1.02, MICRO_SAMPLES: 1.02} # 'auto' at most 1.02x 'samples'
-WHAT_IF = [(GA_AUTO, GA_FAST), (GA_SAMPLES, GA_SAMPLES_FAST), (GA_TORCH_OPT, GA_AUTO),
+WHAT_IF = [(GA_AUTO, GA_FAST), (GA_SAMPLES, GA_SAMPLES_FAST), (GA_TORCH_OPT, GA_AUTO), (GA_TORCH_DL, LIGHTNING), (GA_TORCH_DL, GA_AUTO),
+           (MICRO_TORCH_DL, ACCELERATE), (MICRO_TORCH_DL, MICRO),
            (GA_TOKENS, GA_SAMPLES), (GA_TOKENS, GA_AUTO)] # shown, not judged
 TORCH_FAMILY = {TORCH_LOOP, ACCELERATE, LIGHTNING, LIGHTNING_LOG}
 
@@ -251,10 +258,11 @@ class LightningLoop(Run):
         return cpu[0]
     def lrs(self): return self._lrs
 
-def fastai_learner(s:Setup, bs, cbs=(), opt_func=None):
+def fastai_learner(s:Setup, bs, cbs=(), opt_func=None, torch_dl=False):
     from fastai.basics import Learner, DataLoaders, Adam, noop
     from fastai.callback.progress import ProgressCallback
-    dls = DataLoaders.from_dsets(s.samples, [], bs=bs, num_workers=0, device=s.device) # no validation set: training only
+    if torch_dl: dls = DataLoaders(s.torch_dl(bs), torch.utils.data.DataLoader([], batch_size=bs), device=s.device) # PyTorch's, as it is
+    else: dls = DataLoaders.from_dsets(s.samples, [], bs=bs, num_workers=0, device=s.device) # no validation set: training only
     learn = Learner(dls, s.model(), loss_func=nn.CrossEntropyLoss(), opt_func=opt_func or Adam, lr=s.lr, cbs=list(cbs))
     learn.remove_cb(ProgressCallback)
     learn.logger = noop
@@ -265,9 +273,9 @@ def fastai_learner(s:Setup, bs, cbs=(), opt_func=None):
 
 class FastaiRun(Run):
     "A fastai `Learner` with `cb`; `as_shipped`: fastai's own methods put back while it trains (no library patch runs)"
-    def __init__(self, s:Setup, make_cb=None, bs=None, as_shipped=False, dispatch=None, opt_func=None):
+    def __init__(self, s:Setup, make_cb=None, bs=None, as_shipped=False, dispatch=None, opt_func=None, torch_dl=False):
         self.s,self.as_shipped,self.dispatch = s,as_shipped,dispatch
-        self.learn = fastai_learner(s, bs or s.micro_bs, [make_cb()] if make_cb else [], opt_func)
+        self.learn = fastai_learner(s, bs or s.micro_bs, [make_cb()] if make_cb else [], opt_func, torch_dl)
         self.model = self.learn.model
         do_epoch,self.cpu = self.learn._do_epoch,[0.]
         def timed():
@@ -279,7 +287,9 @@ class FastaiRun(Run):
         from contextlib import nullcontext
         s,learn = self.s,self.learn
         learn.model.load_state_dict(s.init); learn.opt = None # a new optimizer: the same start every fit
-        learn.dls.train.rng.seed(0) # the same shuffle for any bs
+        dl = learn.dls.train
+        if hasattr(dl, 'rng'): dl.rng.seed(0) # the same shuffle for any bs
+        else: dl.generator.manual_seed(0) # PyTorch's
         self.cpu[0] = 0.
         with fastai_as_shipped() if self.as_shipped else nullcontext(), self.dispatch() if self.dispatch else nullcontext():
             if s.one_cycle: learn.fit_one_cycle(s.n_epoch, s.lr)
@@ -298,7 +308,7 @@ def builders()->dict:
         from fastxtend_accum.callback.gradaccum import GradientAccumulation
         opt = partial(OptimWrapper, opt=torch.optim.AdamW, betas=(0.9,0.99), eps=1e-5, weight_decay=0.01)
         return FastaiRun(s, lambda: GradientAccumulation(s.accum_bs), opt_func=opt)
-    def ours(name, fast=False, device=False, tokens=False, **kw):
+    def ours(name, fast=False, device=False, tokens=False, torch_dl=False, **kw):
         def make(s):
             if tokens: # an explicit counter: counted from the targets, never read from the loss
                 from fastxtend_accum.normalize import TokenCount
@@ -314,9 +324,9 @@ def builders()->dict:
             if fast: # fastai's own `Learner.__call__`/`_call_one`: the library's dispatch off
                 return FastaiRun(s, lambda: GradientAccumulation(s.accum_bs, **kw),
                                  dispatch=lambda: fastai_as_shipped({'__call__', '_call_one'}))
-            if name == 'ga': return FastaiRun(s, lambda: GradientAccumulation(s.accum_bs, **kw))
+            if name == 'ga': return FastaiRun(s, lambda: GradientAccumulation(s.accum_bs, **kw), torch_dl=torch_dl)
             if name == 'sched': return FastaiRun(s, lambda: GradientAccumulationSchedule(s.accum_bs, s.accum_bs, **kw))
-            return FastaiRun(s, lambda: MicroBatching(s.micro_bs, verbose=False, **kw), bs=s.accum_bs)
+            return FastaiRun(s, lambda: MicroBatching(s.micro_bs, verbose=False, **kw), bs=s.accum_bs, torch_dl=torch_dl)
         return make
     def fastai_ga(s):
         from fastai.callback.training import GradientAccumulation
@@ -336,7 +346,8 @@ def builders()->dict:
             SCHED_SAMPLES_NOLOG: ours('sched', normalize_by='samples', log_accum_batch=False),
             MICRO: ours('micro'), MICRO_SAMPLES: ours('micro', normalize_by='samples'),
             GA_DEVICE: ours('ga', device=True), SCHED_DEVICE: ours('sched', device=True), MICRO_DEVICE: ours('micro', device=True),
-            GA_TOKENS: ours('ga', tokens=True), GA_FAST: ours('ga', fast=True), GA_SAMPLES_FAST: ours('ga', fast=True, normalize_by='samples'), GA_TORCH_OPT: torch_opt}
+            GA_TOKENS: ours('ga', tokens=True), GA_FAST: ours('ga', fast=True), GA_SAMPLES_FAST: ours('ga', fast=True, normalize_by='samples'), GA_TORCH_OPT: torch_opt,
+            GA_TORCH_DL: ours('ga', torch_dl=True), MICRO_TORCH_DL: ours('micro', torch_dl=True)}
 
 def build(names, s:Setup, skipped:dict)->dict:
     runs,b = {},builders()
@@ -443,7 +454,8 @@ def max_diff(a, b)->float: # on the host: Lightning moves its model back there a
 def bench_exact(skipped, n_epoch=2, lr=1e-2)->dict:
     s = Setup(dtype=torch.float64, one_cycle=True, n_epoch=n_epoch, lr=lr)
     warnings.simplefilter('ignore')
-    refs = {'torch': TorchLoop(s, bs=s.accum_bs), 'fastai': FastaiRun(s, bs=s.accum_bs, as_shipped=True)}
+    refs = {'torch': TorchLoop(s, bs=s.accum_bs), 'fastai': FastaiRun(s, bs=s.accum_bs, as_shipped=True),
+            'fastai_torch': FastaiRun(s, bs=s.accum_bs, as_shipped=True, torch_dl=True)}
     # Lightning's own large batch: its second epoch's batches are not those of iterating the same seeded loader twice
     # (the PyTorch loop's), so each Lightning run is compared with Lightning without accumulation on batches of 128
     try: refs['lightning'] = LightningLoop(s, accumulate=1, bs=s.accum_bs)
@@ -454,13 +466,15 @@ def bench_exact(skipped, n_epoch=2, lr=1e-2)->dict:
     for k,r in runs.items():
         try: r.fit()
         except Exception as e: res[k] = dict(error=f'{type(e).__name__}: {str(e)[:200]}'); continue
-        fam = 'lightning' if k in (LIGHTNING, LIGHTNING_LOG) else 'torch' if k in TORCH_FAMILY else 'fastai'
+        fam = ('lightning' if k in (LIGHTNING, LIGHTNING_LOG) else 'torch' if k in TORCH_FAMILY else 'fastai_torch' if k in TORCH_DL
+               else 'fastai')
         ref = refs[fam]
         la,lb = r.lrs(),ref.lrs()
         lrs = ('same' if len(la) == len(lb) and max((abs(a-b) for a,b in zip(la, lb)), default=0.) <= 1e-12
                else f'differ ({len(la)} records vs {len(lb)})' if len(la) != len(lb)
                else f'differ (max {max(abs(a-b) for a,b in zip(la, lb)):.2e})')
-        what = dict(torch='PyTorch loop + OneCycleLR', lightning="Lightning + OneCycleLR (interval 'step')", fastai='fastai fit_one_cycle')[fam]
+        what = dict(torch='PyTorch loop + OneCycleLR', lightning="Lightning + OneCycleLR (interval 'step')", fastai='fastai fit_one_cycle',
+                    fastai_torch="fastai fit_one_cycle on PyTorch's DataLoader")[fam]
         res[k] = dict(reference=f"{what}, batches of {s.accum_bs}",
                       max_param_diff=max_diff(r.model, ref.model), lrs=lrs, dtype=str(next(r.model.parameters()).dtype))
     return dict(n_epoch=n_epoch, lr=lr, rows=res)
@@ -483,7 +497,7 @@ def _memory_child(name, batch, k)->dict:
 def bench_memory(skipped, batch=1024, k=4, reps=2)->dict:
     from memory import set_mmap_threshold
     names = ['PyTorch loop, no accumulation', 'PyTorch loop, large batch'] + [n for n in TIMED if n not in skipped and n not in
-                                                                               (FASTAI_NOACC, GA_FAST, GA_SAMPLES_FAST, GA_TORCH_OPT, TORCH_TENSORS)]
+                                                                               (FASTAI_NOACC, GA_FAST, GA_SAMPLES_FAST, GA_TORCH_OPT, TORCH_TENSORS, GA_TORCH_DL, MICRO_TORCH_DL)]
     res = {n: [] for n in names}
     for _ in range(reps):
         for name in names:
@@ -543,7 +557,9 @@ def report(res:dict)->tuple[str,str]:
                     "over the peer's, measured side by side in each repetition, at most 1 ('auto' at most 1.02x 'samples'). The rows "
                     "\"fastai's event dispatch\" are the library's callback with fastai's own `Learner.__call__`/`_call_one` put "
                     "back, to show what the library's exact dispatch (`patches`) saves; 'OptimWrapper(torch AdamW)' shows what "
-                    "fastai's `Adam` costs against the PyTorch optimizer the other loops use.", '',
+                    "fastai's `Adam` costs against the PyTorch optimizer the other loops use; \"on PyTorch's DataLoader\" shows the "
+                    "library's callbacks on the loader the PyTorch, Accelerate and Lightning loops use (fastai's `Learner` takes it "
+                    "as it is): what of the gap to them is fastai's loader.", '',
                     md_table([f"{'wall' if gpu else 'CPU'} time ratio", 'median [min, max]', 'best-of', 'x PyTorch loop, both', 'target', ''], trows), '']
     sy = res.get('syncs')
     if sy:
