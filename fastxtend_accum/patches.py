@@ -181,17 +181,19 @@ def _training(cb, on_class:bool, default:bool):
     learn = cb.learn
     return default if learn is None else getattr(learn, 'training', default)
 
+def _running(cbs)->bool:
+    "Whether one of `cbs` splits batches and runs a fit (`accumulating`; `MicroBatching`: `taking_batches`)"
+    for cb in cbs:
+        d = cb.__dict__
+        if (d.get('accumulating') or d.get('taking_batches')) and _splits_batches(cb): return True
+    return False
+
 class _Dispatch:
     "A Learner's callbacks as last seen, sorted as fastai sorts them, and how each one is called at each event"
     def __init__(self, items:list):
         self.key,self.splitters = list(items),[cb for cb in items if _splits_batches(cb)]
         self.order,self.hows = None,{}
-    def running(self)->bool:
-        "Whether a callback that splits batches runs a fit (`accumulating`; `MicroBatching`: `taking_batches`)"
-        for cb in self.splitters:
-            d = cb.__dict__
-            if d.get('accumulating') or d.get('taking_batches'): return True
-        return False
+    def running(self)->bool: return _running(self.splitters)
     def __call__(self, items:list, event_name:str):
         "fastai's `_call_one` and `Callback.__call__`: the same callbacks, in the same order, with the same run checks"
         __tracebackhide__ = True
@@ -223,9 +225,10 @@ def _dispatch(learn:Learner, event_name)->_Dispatch|None:
     if event_name not in _EVENTS or type(items) is not list: return None
     p = _plans.get(learn)
     if p is not None and p.key == items and p.running(): return p
-    p = _Dispatch(items) # a new Learner, callbacks added or removed, or none of them running
-    if p.running(): _plans[learn] = p; return p
-    _plans.pop(learn, None) # no fit accumulating (`Learner.__init__`'s `after_create`, `get_preds` after a fit): nothing kept
+    # no fit accumulating (`Learner.__init__`'s `after_create`, `get_preds` after a fit, a fit without the library): nothing kept
+    if not _running(items): _plans.pop(learn, None); return None
+    p = _plans[learn] = _Dispatch(items) # a new fit, or callbacks added or removed
+    return p
 
 @replaces(Learner, "one event name: no `L` built for it, while accumulating")
 def __call__(self:Learner, event_name):
