@@ -38,14 +38,14 @@ from __future__ import annotations
 import argparse, gc, json, os, statistics, sys, time, warnings
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-try: import torchvision # Lightning's torchmetrics imports it when installed
-except ModuleNotFoundError: pass
-except Exception: sys.modules['torchvision'] = None # installed but broken (here, on the CPU): torchmetrics goes without it
 from common import *
 from syncs import paused_iter
 from overhead import torch_adam, fastai_as_shipped
 import torch
 from torch import nn
+# Lightning's torchmetrics imports torchvision when installed; a CUDA torchvision beside a CPU torch fails at import, so with
+# a CPU torch it is blocked (torchmetrics goes without it); a CUDA torch (a GPU machine) keeps its own, which Lightning imports
+if torch.version.cuda is None: sys.modules.setdefault('torchvision', None)
 
 N_TRAIN,MICRO_BS,ACCUM_BS = 3200,32,128
 K = ACCUM_BS//MICRO_BS
