@@ -10,7 +10,8 @@ from .messages import warn, linked
 
 # %% auto #0
 __all__ = ['SampleCount', 'TokenCount', 'WeightedTargetCount', 'LossSum', 'item_counter', 'check_count', 'check_counts',
-           'loss_denominator', 'loss_reduction', 'auto_counter', 'loss_items', 'AutoNormalize', 'auto_normalize']
+           'loss_denominator', 'loss_reduction', 'auto_counter', 'loss_items', 'ClassTargetCount', 'targets_exclude',
+           'AutoNormalize', 'auto_normalize']
 
 # %% ../nbs/normalize.ipynb #76a64e9f
 class SampleCount:
@@ -175,6 +176,46 @@ def _fastai_label_smoothing(loss_func)->bool:
     from fastai.losses import LabelSmoothingCrossEntropy
     return type(_loss_module(loss_func)) is LabelSmoothingCrossEntropy
 
+class ClassTargetCount(SampleCount):
+    """What 'auto' counts for a cross-entropy when no target of the training set is its `ignore_index` (`targets_exclude`):
+    every sample's targets, as many in each, so the samples weigh the micro-batches exactly, known ahead. Made by 'auto',
+    which checks each epoch's losses against it (`AutoNormalize.check`); not a `normalize_by` to pass"""
+    def __init__(self, ignore_index:int=-100, per_sample:int=1): store_attr()
+    def __repr__(self): return f'ClassTargetCount(ignore_index={self.ignore_index}, per_sample={self.per_sample})'
+
+_SCAN_MAX = 2**20 # samples of a list dataset read on the host: past it, 'auto' counts a cross-entropy's targets on the device
+
+def _yields_as_held(dl)->bool:
+    "Whether `dl` yields its dataset's samples as they are, collated: PyTorch's `DataLoader` with its default collate, fastai's with no transform or batch method of its own"
+    from torch.utils.data import DataLoader as TorchDataLoader
+    from torch.utils.data._utils.collate import default_collate
+    from fastai.data.load import DataLoader as FastaiDataLoader
+    from fastai.data.core import TfmdDL
+    if type(dl) is TorchDataLoader: return dl.collate_fn is default_collate
+    if type(dl) not in (FastaiDataLoader, TfmdDL): return False
+    own = vars(dl) # fastai's `DataLoader` takes its methods as arguments: an instance's own
+    if any(m in own for m in ('create_batches', 'create_item', 'create_batch', 'retain', 'do_batch')): return False
+    return all(m not in own or (isinstance(own[m], Pipeline) and not own[m].fs) for m in ('after_item', 'before_batch', 'after_batch'))
+
+def _held_targets(ds, k:int)->Tensor|None:
+    "Position `k` of every sample of `ds`, stacked, where the samples are held in memory: a `TensorDataset`, a list of tuples"
+    if isinstance(ds, torch.utils.data.TensorDataset): return ds.tensors[k] if k < len(ds.tensors) else None
+    if not isinstance(ds, (list, tuple, L)) or not 0 < len(ds) <= _SCAN_MAX: return None
+    if not all(type(o) in (tuple, list) and len(o) > k for o in ds): return None
+    ys = [o[k] for o in ds]
+    try: return torch.stack(ys) if isinstance(ys[0], Tensor) else torch.tensor(ys)
+    except (TypeError, RuntimeError, ValueError): return None # targets of different shapes or types
+
+def targets_exclude(dl, # The training loader
+                    k:int, # Where the targets are in a sample: after its `k` inputs
+                    ignore_index:int, # The loss's ignore_index
+                   )->int|None:
+    "Targets per sample if no sample of `dl`'s dataset holds `ignore_index` there, read where they are held as yielded; `None` when that is not known"
+    if not _yields_as_held(dl): return None
+    y = _held_targets(dl.dataset, k)
+    if y is None or y.ndim == 0 or y.is_floating_point() or y.is_complex() or y.dtype == torch.bool: return None
+    return None if bool((y == ignore_index).any()) else y[0].numel() # one host read of the training set's targets
+
 class AutoNormalize:
     "`normalize_by='auto'` in one callback: the counter for each epoch's loss, what it counts said once, and a watch for ignored targets"
     def __init__(self,
@@ -182,9 +223,17 @@ class AutoNormalize:
         verbose:bool=True, # Print what 'auto' counts when it is not samples
     ):
         store_attr()
-        self.pending,self.said,self.warned,self.last,self.rate = True,set(),set(),None,None
+        self.pending,self.said,self.warned,self.last,self.rate,self.scanned = True,set(),set(),None,None,None
+        self.start_fit()
 
-    def counter(self, loss_func, xb:tuple, yb:tuple):
+    def start_fit(self):
+        "Forget the last fit's losses (`observe`), and whether its targets were found to hold ignore_index"
+        self.classes,self.seen,self.total,self.expected,self.looked,self.held_ignored = None,[],None,0,False,False
+
+    def counter(self, loss_func, xb:tuple, yb:tuple,
+                dl=None, # The training loader, whose dataset may rule out ignored targets (one process); None: not read
+                final:bool=False, # `yb` is what the loss sees (every `before_batch` ran): looked at once a fit
+               ):
         "The counter for `loss_func`, read at an epoch's first micro-batch `(xb, yb)`, whose targets tell what to say"
         self.pending = False
         # the loss read at an earlier epoch, unchanged: its counter, made and checked once (its class weights, the targets
@@ -193,6 +242,15 @@ class AutoNormalize:
         key = loss_func,loss_reduction(loss_func),None if d is None else (id(d[0]), d[1])
         if not (new := self.last is None or self.last[0] is not key[0] or self.last[1:3] != key[1:]): c = self.last[3]
         else: c = auto_counter(loss_func); self.last = *key,c
+        # a cross-entropy whose training set holds no ignore_index: every target counts, known ahead (`observe` checks it)
+        self.classes = self._classes(dl, len(xb), c.ignore_index) if type(c) is TokenCount and dl is not None else None
+        if self.classes is not None and final and not self.looked: # a `before_batch` callback may set targets to ignore_index
+            self.looked = True
+            if _ignored_targets(yb, c.ignore_index): self.held_ignored = True
+        if self.held_ignored: self.classes = None # this fit's targets held ignore_index: counted, as below
+        if self.classes is not None:
+            if self.classes.per_sample != 1 and repr(self.classes) not in self.said: self._say(self.classes, loss_func)
+            return self.classes
         if type(c) is SampleCount: self._watch(loss_func, yb) # a loss it cannot read: its targets, each epoch until it warns
         elif new and type(c) is TokenCount:
             # the targets per sample of this micro-batch (one sync per loss, not per fit): the windows' rho is then a number,
@@ -205,10 +263,57 @@ class AutoNormalize:
             if repr(c) not in self.said: self._say(c, loss_func)
         return c
 
+    def _classes(self, dl, k:int, ignore_index:int)->ClassTargetCount|None:
+        "`ClassTargetCount` where no target of `dl`'s dataset is `ignore_index`: read once per dataset (one host read), not per fit"
+        if not _yields_as_held(dl): return None
+        key = id(dl.dataset),len(dl.dataset) if hasattr(dl.dataset, '__len__') else None,k,ignore_index
+        if self.scanned is None or self.scanned[0] != key: self.scanned = key,targets_exclude(dl, k, ignore_index)
+        n = self.scanned[1]
+        return None if n is None else ClassTargetCount(ignore_index, n)
+
+    def observe(self, loss:Tensor, # A micro-batch's loss, before any term is added to it
+                yb:tuple, # Its targets
+               )->bool:
+        """Under `ClassTargetCount`, keep what a micro-batch's loss divided by (no operation): `check` adds them up once per
+        epoch. The fit's first, if its targets were not looked at, is read at once (one sync a fit): `False` if the loss
+        divided by fewer targets than the samples hold, and 'auto' counts them from then on (`counter`)"""
+        c,cls = loss_items(loss),self.classes
+        if c is None: c = TokenCount(cls.ignore_index)(None, yb) # 16-bit logits: counted
+        n,self.ignore_index = find_bs(yb)*cls.per_sample,cls.ignore_index
+        if not self.looked:
+            self.looked = True
+            if c.item() != n:
+                self.held_ignored,self.classes,self.rate = True,None,c.item()/find_bs(yb) # rho's rate, as `counter` reads it
+                return False
+        self.seen.append(c)
+        self.expected += n
+        if len(self.seen) >= 1024: self._add_seen() # a few tensors held, whatever the epoch's length
+        return True
+
+    def _add_seen(self):
+        if not self.seen: return
+        t = torch.stack(self.seen).sum(dtype=torch.float64)
+        self.total,self.seen = t if self.total is None else self.total+t,[]
+
+    def check(self):
+        "Raise if the losses `observe`d divided by fewer targets than their samples hold: one device sync, once per epoch"
+        self._add_seen()
+        if self.total is None: return
+        total,expected,self.total,self.expected = self.total.item(),self.expected,None,0
+        if total != expected:
+            ii = self.ignore_index
+            raise RuntimeError(linked(f"{self.owner}: normalize_by='auto' weighted the micro-batches by their samples, as no target of "
+                f"the training set is the loss's ignore_index={ii}, but the losses averaged over {int(total)} targets where the "
+                f"micro-batches held {int(expected)}: a callback or transform set targets to {ii} after the loader, and the steps "
+                f"since the last check averaged over samples, not over the targets the loss counts. Pass "
+                f"normalize_by=TokenCount(ignore_index={ii}) to count them", 'auto-classes'))
+
     def _say(self, c, loss_func):
         "Print, once, what 'auto' counts when it is not samples"
         self.said.add(repr(c))
         if type(c) is LossSum: what = "a loss that sums its terms (reduction='sum'): each micro-batch's loss is added as it is,"
+        elif type(c) is ClassTargetCount: what = (f'what {_loss_name(loss_func)} averages over, {c.per_sample} targets a sample, as '
+                                                  f'none of the training set is ignore_index={c.ignore_index}:')
         else: what = 'what {} averages over, {} ignore_index={}:'.format(_loss_name(loss_func), 'the targets that are not'
             if type(c) is TokenCount else 'the class weights of the targets that are not', c.ignore_index)
         if self.verbose and rank_distrib() == 0: # '\r': over a console progress bar's frame, not after it

@@ -267,8 +267,7 @@ class Windows:
     # per micro-batch
     mb_pct:float = 0.      # fastai's training progress at this micro-batch
     mb_samples:int = 0
-    mb_items = 0           # its count; None: to be read from its loss at the backward (`reads_loss`)
-    mb_batch = None        # (xb, yb) as yielded, where the count waits for the loss
+    mb_items = 0           # its count; None: counted at the backward, of the targets the loss sees
     pred_mark = None       # `learn.pred` before the micro-batch: tells whether its forward ran
 
     def __init__(self): self.warned = set()

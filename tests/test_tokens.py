@@ -180,7 +180,7 @@ def test_auto_reads_the_loss_of_each_fit():
     cb = GradientAccumulation(64)
     learn = digits_learner(16, cbs=cb)
     quiet(learn)
-    assert repr(cb.counter) == 'TokenCount(ignore_index=-100)'
+    assert repr(cb.counter) == 'ClassTargetCount(ignore_index=-100, per_sample=1)' # digits' targets: none is -100
     learn.loss_func = nn.CrossEntropyLoss(weight=CLASS_W)
     quiet(learn)
     assert isinstance(cb.counter, WeightedTargetCount)
@@ -251,7 +251,7 @@ def test_class_weights_summing_below_one_are_exact():
 def test_auto_rho_is_a_number_and_token_windows_stay_exact(lm_large):
     """'auto' on a cross-entropy reads the targets per sample once (`AutoNormalize.rate`, one sync per loss): each window's rho
     is a number on the host, so weighting costs no op per window. Any rho is exact: the padded LM still trains as the large
-    batch, and the plain classifier's rho is accum_bs itself"""
+    batch, and the plain classifier's rho is accum_bs itself (its targets, none ignored, weighed as samples)"""
     read = lm(*split('accum'))
     assert_same_training(lm_large, read)
     ga = next(cb for cb in read.cbs if isinstance(cb, GradientAccumulation))
@@ -261,7 +261,7 @@ def test_auto_rho_is_a_number_and_token_windows_stay_exact(lm_large):
     learn = digits_learner(16, cbs=GradientAccumulation(64))
     with learn.no_logging(), learn.no_bar(): learn.fit(1)
     w = learn.gradient_accumulation.windows
-    assert w.auto.rate == 1.0 and w.window.ref == 64.0
+    assert repr(w.counter) == 'ClassTargetCount(ignore_index=-100, per_sample=1)' and w.window.ref == 64
 
 def test_token_count_splits_a_batch_at_once():
     "`TokenCount.split_counts`: the counts of equal micro-batches at once, as counting each slice gives; `None` where it cannot"
@@ -275,3 +275,75 @@ def test_token_count_splits_a_batch_at_once():
     class Own(TokenCount):
         def __call__(self, xb, yb): return super().__call__(xb, yb)*2
     assert Own(IGNORE).split_counts((y,), [4, 4, 4]) is None # counted by its own __call__, one by one
+
+# ---- a classifier's targets read once (issue 26): 'auto' at the cost of 'samples', checked on the loss ----
+from fastxtend_accum.normalize import ClassTargetCount
+from fastxtend_accum.callback.recorder import RecordOnDevice
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class IgnoreThrees(Callback):
+    "Set the targets of class 3 to -100 in `before_batch`, after the loader; from sample `start` of each epoch on"
+    def __init__(self, start=0): self.start = start
+    def before_batch(self):
+        if not self.training or self.iter*find_bs(self.yb) < self.start: return
+        y = self.learn.yb[0].clone(); y[y == 3] = -100; self.learn.yb = (y,)
+
+def make(kind, cbs=(), normalize_by='auto', torch_loader=False):
+    "GradientAccumulation(64) on micro-batches of 16, or MicroBatching(16) on batches of 64, on digits (fastai's or PyTorch's loader)"
+    cb = GradientAccumulation(64, normalize_by=normalize_by) if kind == 'accum' else MicroBatching(16, normalize_by=normalize_by, verbose=False)
+    return digits_learner(16 if kind == 'accum' else 64, shuffle=True, torch_loader=torch_loader, cbs=[cb, *cbs]),cb
+
+@pytest.mark.parametrize('torch_loader', [False, True])
+@pytest.mark.parametrize('kind', ['accum', 'micro'])
+def test_classifier_targets_read_once_weigh_as_samples(kind, torch_loader):
+    "Digits' targets hold no -100: 'auto' weighs the micro-batches by their samples, and trains as the large batch"
+    large = quiet(digits_learner(64, shuffle=True, torch_loader=torch_loader), 2)
+    auto,cb = make(kind, torch_loader=torch_loader)
+    assert_same_training(large, quiet(auto, 2))
+    assert repr(cb.counter) == 'ClassTargetCount(ignore_index=-100, per_sample=1)' and not auto.warned
+
+@pytest.mark.parametrize('kind', ['accum', 'micro'])
+def test_classifier_targets_ignored_after_the_loader_are_counted(kind):
+    "A `before_batch` callback sets targets to -100 from the first micro-batch: 'auto' sees it there and counts them, exactly"
+    large = quiet(digits_learner(64, shuffle=True, cbs=IgnoreThrees()), 2)
+    auto,cb = make(kind, [IgnoreThrees()])
+    assert_same_training(large, quiet(auto, 2))
+    assert repr(cb.counter) == 'TokenCount(ignore_index=-100)'
+    samples,_ = make(kind, [IgnoreThrees()], 'samples') # the test has teeth: weighing by samples differs
+    assert max_param_diff(large, quiet(samples, 2)) > 1e-4
+    # the next fit of the same callback, without the callback: read once more, and weighed as samples
+    auto.remove_cbs(auto.cbs.filter(lambda o: isinstance(o, IgnoreThrees)))
+    quiet(auto)
+    assert isinstance(cb.counter, ClassTargetCount)
+
+@pytest.mark.parametrize('kind', ['accum', 'micro'])
+def test_classifier_targets_ignored_later_stop_the_fit(kind):
+    """Targets set to -100 only after the first micro-batch: the epoch's check stops the fit, naming TokenCount; which then
+    counts the targets the loss sees (GradientAccumulation counted them as yielded, before `before_batch`, until issue 26)"""
+    auto,cb = make(kind, [IgnoreThrees(start=192)])
+    with pytest.raises(RuntimeError, match=r"losses averaged over \d+ targets where the micro-batches held 1500.*normalize_by=TokenCount\(ignore_index=-100\)"):
+        quiet(auto)
+    assert len(auto.recorder.losses) == 0 or auto.epoch == 0 # stopped at the first epoch's end
+    large = quiet(digits_learner(64, shuffle=True, cbs=IgnoreThrees(start=192)), 1)
+    counted,_ = make(kind, [IgnoreThrees(start=192)], TokenCount())
+    assert_same_training(large, quiet(counted, 1)) # what the error says to pass
+
+class Ops(TorchDispatchMode):
+    def __init__(self): super().__init__(); self.n = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+@pytest.mark.parametrize('kind', ['accum', 'micro'])
+def test_classifier_auto_runs_the_ops_of_samples(kind):
+    "Per micro-batch, 'auto' on a classifier runs the ATen ops of 'samples': only its checks add a few, per fit and per epoch"
+    counts = {}
+    for nb in ('auto', 'samples', TokenCount()):
+        learn,_ = make(kind, [RecordOnDevice()], nb)
+        quiet(learn) # a first fit reads the training set
+        with Ops() as o: quiet(learn, 2)
+        counts[repr(nb)] = o.n
+    auto,samples,tokens = counts["'auto'"],counts["'samples'"],counts['TokenCount(ignore_index=-100)']
+    print(f"{kind}: ATen ops of a 2-epoch fit: 'auto' {auto}, 'samples' {samples}, TokenCount() {tokens}")
+    assert 0 <= auto-samples <= 10, (auto, samples) # the fit's first look and each epoch's check: a few ops each
+    assert tokens-samples > 100 # counting on the device costs ops every micro-batch (94 of them here)

@@ -56,6 +56,7 @@ class GradientAccumulation(BatchSplitter):
         # from here on (lr_find's epochs, a schedule's checks); `before_train` checks it against the engine's
         r.start_fit(default_world_size(), WindowSync(), self.global_bs)
         r.counter = item_counter(self.normalize_by)
+        if r.auto is not None: r.auto.start_fit()
         r.warned.discard('noplan') # said once per fit
         r.fgrads.attach(self.model)
         self.accumulating = True
@@ -80,14 +81,16 @@ class GradientAccumulation(BatchSplitter):
             "stay exact, but training progress (the hyper-parameter schedule) is counted in micro-batches, not optimizer steps")
 
     def after_train(self):
-        "No window outlives its epoch"
+        "No window outlives its epoch; 'auto' checks what it knew ahead once an epoch"
         self._drop_open_window(self.epoch)
+        if self.windows.auto is not None: self.windows.auto.check()
         # skipping the tail that `drop_last` discards is not a cancelled epoch: keep its train loss in the log
         if self.windows.skipped_tail and hasattr(self.learn, 'recorder'): self.learn.recorder.cancel_train = False
 
     def after_fit(self):
         "Leave no gradients and no per-step recording behind, however the fit ended"
         self.end_fit()
+        if self.windows.auto is not None: self.windows.auto.check() # a fit cancelled mid-epoch
 
     # a micro-batch, as the patch layer runs it (`Learner.one_batch`, `Learner._do_grad_opt`)
     @contextlib.contextmanager
@@ -108,14 +111,18 @@ class GradientAccumulation(BatchSplitter):
         "fastai's `_do_grad_opt` for a micro-batch: backward always; the step events, step and `zero_grad` once per window"
         r = self.windows
         if r.mb_items is None: r.mb_items = self._loss_items() # before any `before_backward` callback adds to the loss
+        elif r.auto is not None and r.auto.classes is not None and not r.auto.observe(self.learn.loss_grad, self.learn.yb):
+            # the fit's first micro-batch held ignored targets (a `before_batch` callback): its loss's targets counted from here
+            r.counter = r.auto.last[3]
+            r.mb_items = self._loss_items()
         self.learn._with_events(self._backward, 'backward', CancelBackwardException)
         self._end_micro_batch()
 
     def _loss_items(self):
-        "The micro-batch's count: what its loss divided by (`loss_items`), else its yielded targets counted"
-        r = self.windows
-        c = loss_items(self.learn.loss_grad)
-        return c if c is not None else check_count(self.normalize_by, r.counter(*r.mb_batch))
+        "The micro-batch's count, of the targets its loss sees: what the loss divided by ('auto': `loss_items`), else counted"
+        r,learn = self.windows,self.learn
+        c = loss_items(learn.loss_grad) if r.reads_loss else None
+        return c if c is not None else check_count(self.normalize_by, r.counter(learn.xb, learn.yb))
 
     def after_cancel_batch(self):
         "A cancelled micro-batch still counts where it was yielded: a window it closes steps on those that did backward"
@@ -192,20 +199,19 @@ class GradientAccumulation(BatchSplitter):
         # the epoch ends where the plan does: fastai's `DistributedDL` has a `len` (fastai's `n_iter`) that rounds up
         if learn.iter == 0 and r.plan is not None: learn.n_iter = len(r.plan.sizes)
         r.mb_pct = learn.pct_train # training progress at this micro-batch, as fastai counts it
-        if r.auto is not None and r.auto.pending: r.counter = r.auto.counter(learn.loss_func, learn.xb, learn.yb)
+        if r.auto is not None and r.auto.pending: # the training set is read on one process only: all of them must count alike
+            r.counter = r.auto.counter(learn.loss_func, learn.xb, learn.yb, self.dl if r.sync.world_size == 1 else None)
         n = r.mb_samples = find_bs(learn.yb)
         if not r.open: self._open_window(n)
         learn.pct_train = r.window_pct # every micro-batch trains with the hyper-parameters of the window's first
         w = r.window
-        # counts other than samples stay on the device (no sync), in float64 so that weights and correction cancel exactly;
-        # 'auto' reads a cross-entropy's from its loss at the backward (no op), but for the rate the processes agree on first
-        sets_rate = r.rate is None and r.sync.world_size > 1 and not r.by_samples # the fit's first micro-batch, every process
-        if r.by_samples: r.mb_items = n
-        elif r.reads_loss and not sets_rate: r.mb_items,r.mb_batch = None,(learn.xb, learn.yb)
-        else: r.mb_items = check_count(self.normalize_by, r.counter(learn.xb, learn.yb))
-        if sets_rate:
-            c,m = r.sync.sum(r.mb_items, n)
-            r.rate = c/m # items per sample over all processes: the first window's rho, the same everywhere
+        # counts other than samples are taken at the backward, of the targets the loss sees (after every `before_batch`), and
+        # stay on the device (no sync), in float64 so that weights and correction cancel exactly; 'auto' reads a cross-entropy's
+        # from its loss (no op)
+        r.mb_items = n if r.by_samples else None
+        if r.rate is None and r.sync.world_size > 1 and not r.by_samples: # the fit's first micro-batch, on every process
+            c,m = r.sync.sum(check_count(self.normalize_by, r.counter(learn.xb, learn.yb)), n)
+            r.rate = c/m # items per sample over all processes, as yielded: the first window's rho, the same everywhere (any is exact)
         if r.plan is not None and n != r.plan.sizes[learn.iter] and not r.count_globally:
             if r.sync.world_size > 1: raise RuntimeError(linked(f"Process {r.sync.rank}'s training loader yielded a micro-batch of {n} "
                 f"samples where its plan expected {r.plan.sizes[learn.iter]}: the processes' windows could differ", 'plan'))
@@ -260,7 +266,7 @@ class GradientAccumulation(BatchSplitter):
     def _end_micro_batch(self):
         "Once per micro-batch, after its backward or its cancel: a stand-in backward where the engine needs one, then the window's step"
         r = self.windows
-        w,r.mb_batch = r.window,None # the batch a count waited on is not held past its micro-batch
+        w = r.window
         if w is None or w.mb_done: return
         w.mb_done = True
         if not w.backward_ran and r.sync.needs_stand_in(r.syncs): self._stand_in()

@@ -159,6 +159,7 @@ class MicroBatching(BatchSplitter):
         self.fgrads.attach(self.learn.model)
         self.limit = self.micro_bs if isinstance(self.micro_bs, int) else None # largest micro-batch; `None`: the whole batch
         self.chosen_micro_bs,self.ref_bs,self.ooms,self.throughput,self.rho = None,None,[],{},None
+        if self._auto is not None: self._auto.start_fit()
         self._cands,self._warm,self._reported,self._warned,self._awd = None,False,None,False,None
 
     def before_train(self):
@@ -184,10 +185,15 @@ class MicroBatching(BatchSplitter):
         if self.iter == 0 and split_loader(self.dl) is not None and (sizes := micro_batch_sizes(self.dl)) is not None:
             self.learn.n_iter = len(sizes)
 
+    def after_train(self):
+        "'auto' checks what it knew ahead once an epoch"
+        if self._auto is not None: self._auto.check()
+
     def after_fit(self):
         "Give the training batches back to fastai"
         self.taking_batches = False
         self.fgrads.detach()
+        if self._auto is not None: self._auto.check() # a fit cancelled mid-epoch
 
     def end_fit(self):
         "However the fit ended: no gradients, no open autocast, the training batches back to fastai"
@@ -204,7 +210,8 @@ class MicroBatching(BatchSplitter):
         learn = self.learn
         if not len(learn.yb): return learn._do_one_batch()
         xb,yb = learn.xb,learn.yb
-        if self._auto is not None and self._auto.pending: self.counter = self._auto.counter(learn.loss_func, xb, yb)
+        if self._auto is not None and self._auto.pending: # the training set is read on one process only: all of them must count alike
+            self.counter = self._auto.counter(learn.loss_func, xb, yb, self.dl if self.sync.world_size == 1 else None, final=True)
         n = find_bs(yb)
         if self.ref_bs is None: self.ref_bs = n # the batch size 'fastest' times, and that 'auto' reports
         timed = self._timed(n)
@@ -298,6 +305,8 @@ class MicroBatching(BatchSplitter):
                 learn('after_pred')
                 learn.loss_grad = learn.loss_func(learn.pred, *learn.yb)
                 learn.loss = learn.loss_grad.clone()
+                if w is not None and self._auto is not None and self._auto.classes is not None: # looked at in `counter`: True
+                    self._auto.observe(learn.loss_grad, learn.yb)
                 learn('after_loss') # `MixedPrecision.after_loss` closes autocast
                 self._autocast_open = False
                 learn._with_events(partial(self._backward, w, c, sizes[i]), 'backward', CancelBackwardException)
