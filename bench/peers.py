@@ -297,8 +297,13 @@ class FastaiRun(Run):
         return self.cpu[0]
     def lrs(self): return list(self.learn.recorder.lrs)
     def pause_in_loader(self, counter):
-        from syncs import pause_loader
-        for dl in self.learn.dls.loaders: pause_loader(dl, counter) # the (empty) validation loader runs too
+        "fastai's `Learner.all_batches`, with the loaders' work paused: the loaders keep their type, which 'auto' reads"
+        from syncs import paused_iter
+        learn = self.learn
+        def all_batches(): # the (empty) validation loader runs here too
+            learn.n_iter = len(learn.dl)
+            for o in enumerate(paused_iter(lambda: iter(learn.dl), counter)): learn.one_batch(*o)
+        learn.all_batches = all_batches
 
 def builders()->dict:
     "For each peer: `Setup -> Run` (raises ImportError where the peer is not installed)"
@@ -582,11 +587,12 @@ def report(res:dict)->tuple[str,str]:
                  ', '.join(f'{n:+.2f} {name}' for name,n in v['extra'].items())] for k,v in op.items()]
         out += ["### ATen ops per micro-batch: 'auto' against 'samples'", '',
                 "Every ATen op of a 1-epoch fit (forward, loss, backward, optimizer, the library's bookkeeping), counted with a "
-                "`TorchDispatchMode` and divided by the micro-batches: what 'auto' (GradientAccumulation: reading each micro-batch's "
-                "count from its cross-entropy, weighting the loss by it, adding the window's counts and scaling the step; "
-                "MicroBatching: counting each micro-batch's non-ignored targets on the device first) runs beyond 'samples'. "
-                "`normalize_by=TokenCount()` counts the same targets as 'auto' does here, on the device, as 'auto' did before "
-                "it read them from the loss. Unlike a time, it does not depend on the machine's load.", '',
+                "`TorchDispatchMode` and divided by the micro-batches: what 'auto' runs beyond 'samples'. The training set "
+                "here is a list of samples whose targets 'auto' reads once, none of them -100 (`ClassTargetCount`): it weighs "
+                "the micro-batches by their samples, as 'samples' does, plus the fit's first look at a micro-batch's loss and "
+                "each epoch's check of the losses' counts. `normalize_by=TokenCount()` counts the same targets on the device "
+                "in every micro-batch (and weighs the loss by them, adds the window's counts and scales the step), as 'auto' "
+                "did before it read the training set. Unlike a time, it does not depend on the machine's load.", '',
                 md_table(['callbacks (A / B)', 'A', 'B', 'A - B', 'A - B, by op, per micro-batch'], rows), '']
     ex = res.get('exact')
     if ex:
@@ -610,7 +616,7 @@ def report(res:dict)->tuple[str,str]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--quick', action='store_true', help='a smoke test: 2 repetitions of 1 epoch, one memory repetition')
-    p.add_argument('--reps', type=int, default=None, help='timed repetitions (default 25, quick 2)')
+    p.add_argument('--reps', type=int, default=None, help='timed repetitions (default 41, quick 2)')
     p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 1: short fits interleaved follow the load more closely)')
     p.add_argument('--parts', default=None, help='default: time,syncs,ops,exact,memory on the CPU; time,syncs,exact on a GPU '
                    "(ATen ops do not depend on the device; memory is measured as the host's resident set)")
@@ -631,7 +637,7 @@ def main(argv=None):
                micro_bs=MICRO_BS, accum_bs=ACCUM_BS, device=a.device, gpu=torch.cuda.get_device_name(a.device) if gpu else None),
                skipped={}, name=a.name, note=a.note)
     parts = (a.parts or ('time,syncs,exact' if gpu else 'time,syncs,ops,exact,memory')).split(',')
-    if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 25), a.epochs or 1, res['skipped'])
+    if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 41), a.epochs or 1, res['skipped'])
     if 'syncs' in parts: res['syncs'] = bench_syncs(res['skipped'])
     if 'ops' in parts: res['ops'] = bench_ops(res['skipped'])
     if 'exact' in parts: res['exact'] = bench_exact(res['skipped'], n_epoch=1 if a.quick else 2)

@@ -273,17 +273,18 @@ class AutoNormalize:
 
     def observe(self, loss:Tensor, # A micro-batch's loss, before any term is added to it
                 yb:tuple, # Its targets
+                samples:int, # Its samples
                )->bool:
         """Under `ClassTargetCount`, keep what a micro-batch's loss divided by (no operation): `check` adds them up once per
         epoch. The fit's first, if its targets were not looked at, is read at once (one sync a fit): `False` if the loss
         divided by fewer targets than the samples hold, and 'auto' counts them from then on (`counter`)"""
         c,cls = loss_items(loss),self.classes
         if c is None: c = TokenCount(cls.ignore_index)(None, yb) # 16-bit logits: counted
-        n,self.ignore_index = find_bs(yb)*cls.per_sample,cls.ignore_index
+        n,self.ignore_index = samples*cls.per_sample,cls.ignore_index
         if not self.looked:
             self.looked = True
             if c.item() != n:
-                self.held_ignored,self.classes,self.rate = True,None,c.item()/find_bs(yb) # rho's rate, as `counter` reads it
+                self.held_ignored,self.classes,self.rate = True,None,c.item()/samples # rho's rate, as `counter` reads it
                 return False
         self.seen.append(c)
         self.expected += n

@@ -33,14 +33,15 @@ def test_peers_quick(tmp_path):
     for k in ('PyTorch loop (the floor)', 'Accelerate accumulate()'): assert sy[k]['total_2_epochs'] == 0, (k, sy[k])
     noacc = sy['fastai, batches of 32, no accumulation']
     assert noacc['by_kind']['.cpu()'] == 4 and noacc['per_micro_batch'] >= 1, noacc # the Recorder's, once per batch
-    # this library's callbacks, logging per step: fastai's Recorder's one read a step, and its epoch's one (25 steps an epoch)
+    # this library's callbacks, logging per step: fastai's Recorder's one read a step, and its epoch's one (25 steps an epoch);
+    # 'auto', which reads digits' targets once, adds its check of the epoch's losses, and its first look once a fit
     for k,v in sy.items():
         if k.startswith(('GradientAccumulation', 'MicroBatching')) and 'log_accum_batch=False' not in k:
-            assert v['per_step'] <= (0 if 'RecordOnDevice' in k else 1) + 1/25 + 1e-9 and v['per_fit'] == 0, (k, v)
+            auto = 'normalize_by' not in k
+            assert v['per_step'] <= (0 if 'RecordOnDevice' in k else 1) + (1+auto)/25 + 1e-9 and v['per_fit'] == auto, (k, v)
     assert any('RecordOnDevice' in k for k in sy)
     ops = res['ops'] # 'auto' against 'samples': counted, whatever the load
-    assert len(ops) == 4 and all(v['auto'] > v['samples'] for v in ops.values()), ops
-    # 'auto' reads a cross-entropy's count from the loss: fewer ops than counting the same targets (`TokenCount()`)
-    read,counted = (ops[f"GradientAccumulation(128{k}) / GradientAccumulation(128, normalize_by='samples')"]['auto']
-                    for k in ('', ', normalize_by=TokenCount()'))
-    assert read + 2 <= counted, (read, counted)
+    assert len(ops) == 4, ops
+    for k,v in ops.items():
+        if 'TokenCount' in k: assert v['auto'] - v['samples'] > 5, (k, v) # counted on the device, every micro-batch
+        else: assert 0 < v['auto'] - v['samples'] <= 0.1, (k, v) # the ops of 'samples', and its checks (a few a fit)

@@ -111,7 +111,7 @@ class GradientAccumulation(BatchSplitter):
         "fastai's `_do_grad_opt` for a micro-batch: backward always; the step events, step and `zero_grad` once per window"
         r = self.windows
         if r.mb_items is None: r.mb_items = self._loss_items() # before any `before_backward` callback adds to the loss
-        elif r.auto is not None and r.auto.classes is not None and not r.auto.observe(self.learn.loss_grad, self.learn.yb):
+        elif r.auto is not None and r.auto.classes is not None and not r.auto.observe(self.learn.loss_grad, self.learn.yb, r.mb_samples):
             # the fit's first micro-batch held ignored targets (a `before_batch` callback): its loss's targets counted from here
             r.counter = r.auto.last[3]
             r.mb_items = self._loss_items()

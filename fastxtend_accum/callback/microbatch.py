@@ -306,7 +306,7 @@ class MicroBatching(BatchSplitter):
                 learn.loss_grad = learn.loss_func(learn.pred, *learn.yb)
                 learn.loss = learn.loss_grad.clone()
                 if w is not None and self._auto is not None and self._auto.classes is not None: # looked at in `counter`: True
-                    self._auto.observe(learn.loss_grad, learn.yb)
+                    self._auto.observe(learn.loss_grad, learn.yb, sizes[i])
                 learn('after_loss') # `MixedPrecision.after_loss` closes autocast
                 self._autocast_open = False
                 learn._with_events(partial(self._backward, w, c, sizes[i]), 'backward', CancelBackwardException)
