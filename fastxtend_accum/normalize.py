@@ -184,6 +184,7 @@ class ClassTargetCount(SampleCount):
     def __repr__(self): return f'ClassTargetCount(ignore_index={self.ignore_index}, per_sample={self.per_sample})'
 
 _SCAN_MAX = 2**20 # samples of a list dataset read on the host: past it, 'auto' counts a cross-entropy's targets on the device
+_BATCH_METHODS,_BATCH_TFMS = ('create_batches', 'create_item', 'create_batch', 'retain', 'do_batch'),('after_item', 'before_batch', 'after_batch')
 
 def _yields_as_held(dl)->bool:
     "Whether `dl` yields its dataset's samples as they are, collated: PyTorch's `DataLoader` with its default collate, fastai's with no transform or batch method of its own"
@@ -194,8 +195,22 @@ def _yields_as_held(dl)->bool:
     if type(dl) is TorchDataLoader: return dl.collate_fn is default_collate
     if type(dl) not in (FastaiDataLoader, TfmdDL): return False
     own = vars(dl) # fastai's `DataLoader` takes its methods as arguments: an instance's own
-    if any(m in own for m in ('create_batches', 'create_item', 'create_batch', 'retain', 'do_batch')): return False
-    return all(m not in own or (isinstance(own[m], Pipeline) and not own[m].fs) for m in ('after_item', 'before_batch', 'after_batch'))
+    if any(m in own for m in _BATCH_METHODS): return False
+    return all(m not in own or (isinstance(own[m], Pipeline) and not own[m].fs) for m in _BATCH_TFMS)
+
+def _categories(dl, k:int)->int|None:
+    "The classes of the targets at `k` where fastai's `Categorize` makes them last and only fastai's own transforms follow it: its vocabulary's length"
+    from fastai.data.core import TfmdDL, Datasets
+    from fastai.data.transforms import Categorize
+    ds = getattr(dl, 'dataset', None)
+    if type(dl) is not TfmdDL or not isinstance(ds, Datasets) or ds.n_inp != k or len(ds.tls) <= k: return None
+    own = vars(dl) # fastai's own transforms (`ToTensor`, `IntToFloatTensor`, its augmentations) never make a class -100
+    if any(m in own for m in _BATCH_METHODS): return None
+    if not all(m not in own or (isinstance(own[m], Pipeline) and all(type(t).__module__.startswith('fastai.') for t in own[m].fs))
+               for m in _BATCH_TFMS): return None
+    fs = ds.tls[k].tfms.fs
+    # `Categorize` gives each label its index in the vocabulary (an unknown label raises): targets in [0, n)
+    return len(fs[-1].vocab) if fs and type(fs[-1]) is Categorize and fs[-1].vocab is not None else None
 
 def _held_targets(ds, k:int)->Tensor|None:
     "Position `k` of every sample of `ds`, stacked, where the samples are held in memory: a `TensorDataset`, a list of tuples"
@@ -206,15 +221,22 @@ def _held_targets(ds, k:int)->Tensor|None:
     try: return torch.stack(ys) if isinstance(ys[0], Tensor) else torch.tensor(ys)
     except (TypeError, RuntimeError, ValueError): return None # targets of different shapes or types
 
+def _scan(ds, k:int, ignore_index:int)->int|None:
+    "Targets per sample if none of the held targets of `ds` at `k` is `ignore_index` (one host read of them); else `None`"
+    y = _held_targets(ds, k)
+    if y is None or y.ndim == 0 or y.is_floating_point() or y.is_complex() or y.dtype == torch.bool: return None
+    return None if bool((y == ignore_index).any()) else y[0].numel()
+
 def targets_exclude(dl, # The training loader
                     k:int, # Where the targets are in a sample: after its `k` inputs
                     ignore_index:int, # The loss's ignore_index
+                    scan:Callable=_scan, # Reads a dataset's held targets: `(dataset, k, ignore_index) -> targets per sample or None`
                    )->int|None:
-    "Targets per sample if no sample of `dl`'s dataset holds `ignore_index` there, read where they are held as yielded; `None` when that is not known"
-    if not _yields_as_held(dl): return None
-    y = _held_targets(dl.dataset, k)
-    if y is None or y.ndim == 0 or y.is_floating_point() or y.is_complex() or y.dtype == torch.bool: return None
-    return None if bool((y == ignore_index).any()) else y[0].numel() # one host read of the training set's targets
+    """Targets per sample if no target `dl` yields can be `ignore_index`: fastai's `Categorize` classes (`ignore_index` is
+    not one), or targets held in memory and yielded as they are (read once); `None` when that is not known"""
+    n = _categories(dl, k)
+    if n is not None: return None if 0 <= ignore_index < n else 1
+    return scan(dl.dataset, k, ignore_index) if _yields_as_held(dl) else None
 
 class AutoNormalize:
     "`normalize_by='auto'` in one callback: the counter for each epoch's loss, what it counts said once, and a watch for ignored targets"
@@ -264,12 +286,15 @@ class AutoNormalize:
         return c
 
     def _classes(self, dl, k:int, ignore_index:int)->ClassTargetCount|None:
-        "`ClassTargetCount` where no target of `dl`'s dataset is `ignore_index`: read once per dataset (one host read), not per fit"
-        if not _yields_as_held(dl): return None
-        key = id(dl.dataset),len(dl.dataset) if hasattr(dl.dataset, '__len__') else None,k,ignore_index
-        if self.scanned is None or self.scanned[0] != key: self.scanned = key,targets_exclude(dl, k, ignore_index)
-        n = self.scanned[1]
+        "`ClassTargetCount` where no target `dl` yields can be `ignore_index` (`targets_exclude`)"
+        n = targets_exclude(dl, k, ignore_index, self._scan)
         return None if n is None else ClassTargetCount(ignore_index, n)
+
+    def _scan(self, ds, k:int, ignore_index:int)->int|None:
+        "`_scan`, once per dataset (one host read), not per fit"
+        key = id(ds),len(ds) if hasattr(ds, '__len__') else None,k,ignore_index
+        if self.scanned is None or self.scanned[0] != key: self.scanned = key,_scan(ds, k, ignore_index)
+        return self.scanned[1]
 
     def observe(self, loss:Tensor, # A micro-batch's loss, before any term is added to it
                 yb:tuple, # Its targets

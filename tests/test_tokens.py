@@ -280,6 +280,7 @@ def test_token_count_splits_a_batch_at_once():
 from fastxtend_accum.normalize import ClassTargetCount
 from fastxtend_accum.callback.recorder import RecordOnDevice
 from torch.utils._python_dispatch import TorchDispatchMode
+from fastxtend_accum.test_utils import digits_data, digits_mlp, Float64SmoothLoss
 
 class IgnoreThrees(Callback):
     "Set the targets of class 3 to -100 in `before_batch`, after the loader; from sample `start` of each epoch on"
@@ -347,3 +348,28 @@ def test_classifier_auto_runs_the_ops_of_samples(kind):
     print(f"{kind}: ATen ops of a 2-epoch fit: 'auto' {auto}, 'samples' {samples}, TokenCount() {tokens}")
     assert 0 <= auto-samples <= 10, (auto, samples) # the fit's first look and each epoch's check: a few ops each
     assert tokens-samples > 100 # counting on the device costs ops every micro-batch (94 of them here)
+
+def digits_block_learner(bs, cbs=(), batch_tfms=None):
+    "Digits through a fastai `DataBlock` whose `CategoryBlock` encodes the labels (`Categorize`): fastai's usual classifier data"
+    x,y = digits_data(torch.float64)
+    db = DataBlock(blocks=(TransformBlock(), CategoryBlock()), get_x=lambda i: x[i], get_y=lambda i: int(y[i]),
+                   splitter=IndexSplitter(range(1500, 1797)), batch_tfms=batch_tfms)
+    dls = db.dataloaders(range(1797), bs=bs, num_workers=0, device='cpu', shuffle=False)
+    return Learner(dls, digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss(), *cbs])
+
+class ShiftLabels(Transform):
+    "A user's batch transform on the class targets: 'auto' cannot tell what it makes of them"
+    def encodes(self, y:TensorCategory): return y
+
+@pytest.mark.parametrize('kind', ['accum', 'micro'])
+def test_categorized_targets_weigh_as_samples(kind):
+    "fastai's `Categorize` gives class indices, never -100: 'auto' weighs by samples, exactly; a user's batch transform: counted"
+    large = quiet(digits_block_learner(64), 2)
+    make_cb = lambda: GradientAccumulation(64) if kind == 'accum' else MicroBatching(16, verbose=False)
+    bs = 16 if kind == 'accum' else 64
+    cb = make_cb()
+    assert_same_training(large, quiet(digits_block_learner(bs, [cb]), 2))
+    assert repr(cb.counter) == 'ClassTargetCount(ignore_index=-100, per_sample=1)'
+    cb = make_cb()
+    assert_same_training(large, quiet(digits_block_learner(bs, [cb], batch_tfms=ShiftLabels()), 2))
+    assert repr(cb.counter) == 'TokenCount(ignore_index=-100)'
