@@ -180,7 +180,10 @@ class ClassTargetCount(SampleCount):
     """What 'auto' counts for a cross-entropy when no target of the training set is its `ignore_index` (`targets_exclude`):
     every sample's targets, as many in each, so the samples weigh the micro-batches exactly, known ahead. Made by 'auto',
     which checks each epoch's losses against it (`AutoNormalize.check`); not a `normalize_by` to pass"""
-    def __init__(self, ignore_index:int=-100, per_sample:int=1): store_attr()
+    def __init__(self,
+                 ignore_index:int=-100, # The loss's ignore_index, which no target is
+                 per_sample:int=1, # Targets in each sample
+                ): store_attr()
     def __repr__(self): return f'ClassTargetCount(ignore_index={self.ignore_index}, per_sample={self.per_sample})'
 
 _SCAN_MAX = 2**20 # samples of a list dataset read on the host: past it, 'auto' counts a cross-entropy's targets on the device
@@ -228,9 +231,9 @@ def _scan(ds, k:int, ignore_index:int)->int|None:
     return None if bool((y == ignore_index).any()) else y[0].numel()
 
 def targets_exclude(dl, # The training loader
-                    k:int, # Where the targets are in a sample: after its `k` inputs
+                    k:int, # Where the targets are in a sample: after its k inputs
                     ignore_index:int, # The loss's ignore_index
-                    scan:Callable=_scan, # Reads a dataset's held targets: `(dataset, k, ignore_index) -> targets per sample or None`
+                    scan:Callable=_scan, # (dataset, k, ignore_index) -> targets per sample or None
                    )->int|None:
     """Targets per sample if no target `dl` yields can be `ignore_index`: fastai's `Categorize` classes (`ignore_index` is
     not one), or targets held in memory and yielded as they are (read once); `None` when that is not known"""
@@ -254,7 +257,7 @@ class AutoNormalize:
 
     def counter(self, loss_func, xb:tuple, yb:tuple,
                 dl=None, # The training loader, whose dataset may rule out ignored targets (one process); None: not read
-                final:bool=False, # `yb` is what the loss sees (every `before_batch` ran): looked at once a fit
+                final:bool=False, # yb is what the loss sees (every before_batch ran): looked at once a fit
                ):
         "The counter for `loss_func`, read at an epoch's first micro-batch `(xb, yb)`, whose targets tell what to say"
         self.pending = False
