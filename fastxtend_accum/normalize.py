@@ -333,7 +333,8 @@ class AutoNormalize:
             ii = self.ignore_index
             raise RuntimeError(linked(f"{self.owner}: normalize_by='auto' weighted the micro-batches by their samples, as no target of "
                 f"the training set is the loss's ignore_index={ii}, but the losses averaged over {int(total)} targets where the "
-                f"micro-batches held {int(expected)}: a callback or transform set targets to {ii} after the loader, and the steps "
+                f"micro-batches held {int(expected)}: a callback or transform set targets to {ii} after the loader (or the training "
+                f"set changed since 'auto' read it), and the steps "
                 f"since the last check averaged over samples, not over the targets the loss counts. Pass "
                 f"normalize_by=TokenCount(ignore_index={ii}) to count them", 'auto-classes'))
 
