@@ -196,10 +196,13 @@ def _yields_as_held(dl)->bool:
     from fastai.data.load import DataLoader as FastaiDataLoader
     from fastai.data.core import TfmdDL
     if type(dl) is TorchDataLoader: return dl.collate_fn is default_collate
-    if type(dl) not in (FastaiDataLoader, TfmdDL): return False
+    return type(dl) in (FastaiDataLoader, TfmdDL) and not _own_batch_code(dl, lambda t: False) # no transform at all
+
+def _own_batch_code(dl, tfm_ok:Callable)->bool:
+    "Whether fastai's loader `dl` makes its batches with code of its own: a batch method passed to it, or a transform `tfm_ok` refuses"
     own = vars(dl) # fastai's `DataLoader` takes its methods as arguments: an instance's own
-    if any(m in own for m in _BATCH_METHODS): return False
-    return all(m not in own or (isinstance(own[m], Pipeline) and not own[m].fs) for m in _BATCH_TFMS)
+    if any(m in own for m in _BATCH_METHODS): return True
+    return not all(m not in own or (isinstance(own[m], Pipeline) and all(tfm_ok(t) for t in own[m].fs)) for m in _BATCH_TFMS)
 
 def _categories(dl, k:int)->int|None:
     "The classes of the targets at `k` where fastai's `Categorize` makes them last and only fastai's own transforms follow it: its vocabulary's length"
@@ -207,10 +210,8 @@ def _categories(dl, k:int)->int|None:
     from fastai.data.transforms import Categorize
     ds = getattr(dl, 'dataset', None)
     if type(dl) is not TfmdDL or not isinstance(ds, Datasets) or ds.n_inp != k or len(ds.tls) <= k: return None
-    own = vars(dl) # fastai's own transforms (`ToTensor`, `IntToFloatTensor`, its augmentations) never make a class -100
-    if any(m in own for m in _BATCH_METHODS): return None
-    if not all(m not in own or (isinstance(own[m], Pipeline) and all(type(t).__module__.startswith('fastai.') for t in own[m].fs))
-               for m in _BATCH_TFMS): return None
+    # fastai's own transforms (`ToTensor`, `IntToFloatTensor`, its augmentations) never make a class -100
+    if _own_batch_code(dl, lambda t: type(t).__module__.startswith('fastai.')): return None
     fs = ds.tls[k].tfms.fs
     # `Categorize` gives each label its index in the vocabulary (an unknown label raises): targets in [0, n)
     return len(fs[-1].vocab) if fs and type(fs[-1]) is Categorize and fs[-1].vocab is not None else None
