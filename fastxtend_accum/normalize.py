@@ -289,6 +289,11 @@ class AutoNormalize:
             if repr(c) not in self.said: self._say(c, loss_func)
         return c
 
+    @property
+    def loss_counter(self):
+        "The counter the loss reads as (`auto_counter`), whatever the training set says: what a fit whose targets held ignored ones counts"
+        return self.last[3]
+
     def _classes(self, dl, k:int, ignore_index:int)->ClassTargetCount|None:
         "`ClassTargetCount` where no target `dl` yields can be `ignore_index` (`targets_exclude`)"
         n = targets_exclude(dl, k, ignore_index, self._scan)

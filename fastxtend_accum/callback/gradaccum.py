@@ -113,7 +113,7 @@ class GradientAccumulation(BatchSplitter):
         if r.mb_items is None: r.mb_items = self._loss_items() # before any `before_backward` callback adds to the loss
         elif r.auto is not None and r.auto.classes is not None and not r.auto.observe(self.learn.loss_grad, self.learn.yb, r.mb_samples):
             # the fit's first micro-batch held ignored targets (a `before_batch` callback): its loss's targets counted from here
-            r.counter = r.auto.last[3]
+            r.counter = r.auto.loss_counter
             r.mb_items = self._loss_items()
         self.learn._with_events(self._backward, 'backward', CancelBackwardException)
         self._end_micro_batch()
