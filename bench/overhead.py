@@ -31,6 +31,7 @@ from torch import nn
 from contextlib import contextmanager, nullcontext
 from fastai.basics import Adam, Callback, Learner, Recorder, SGD, noop
 from fastai.callback.schedule import ParamScheduler
+from fastai.data.load import DataLoader as FastaiDataLoader
 from fastai.callback.progress import ProgressCallback
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
@@ -60,8 +61,9 @@ COMPARISONS = [(OURS_LOG, FASTAI, 1.02), (OURS_NOLOG, FASTAI, 1.02), (OURS_LOG, 
 MODELS = {'mlp': ('MLP 64-128-128-10', lambda: mlp(128, 2), False),
           'cnn': ('CNN conv(1->16, 3x3) conv(16->32, 3x3, stride 2) linear(512->10) on 1x8x8', lambda: cnn(16), True)}
 
-# the library patches their `after_batch` (and the bar's `_launch_pbar`), `Learner.fit`/`_do_grad_opt`, fastai's GA's `before_fit`
-PATCHED = (Recorder, ParamScheduler, ProgressCallback, Learner, FastaiGradientAccumulation)
+# the library patches their `after_batch` (and the bar's `_launch_pbar`), `Learner.fit`/`_do_grad_opt`/`all_batches`, fastai's GA's
+# `before_fit`, `DataLoader.create_batches`
+PATCHED = (Recorder, ParamScheduler, ProgressCallback, Learner, FastaiGradientAccumulation, FastaiDataLoader)
 
 @contextmanager
 def fastai_as_shipped(names=None):

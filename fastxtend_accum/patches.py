@@ -9,6 +9,8 @@ import fastai.learner
 from typing import Protocol
 from fastai.basics import *
 from fastai.callback.core import _events, _inner_loop
+from fastai.data.load import DataLoader as FastaiDataLoader, SkipItemException
+from fasttransform import Pipeline
 from fastcore.basics import GetAttr
 from fastcore.xtras import modify_exception
 from fastai.callback.schedule import ParamScheduler, LRFinder
@@ -141,6 +143,52 @@ def _do_grad_opt(self:Learner):
     acc = accum_callback(self) if self.training else None
     if acc is None: return fastai_method(Learner, '_do_grad_opt')(self)
     acc.grad_opt()
+
+# %% ../nbs/patches.ipynb #b471628c
+_fastai_do_item,_fastai_create_item,_fastai_after_item,_fastai_chunkify = (FastaiDataLoader.do_item,FastaiDataLoader.create_item,
+    FastaiDataLoader.after_item,FastaiDataLoader.chunkify)
+_direct = () # the training loader an accumulating fit iterates (`Learner.all_batches`), and the one it wraps (fastai's `DistributedDL`)
+
+def _items_as_held(dl)->bool:
+    "Whether fastai's `do_item` gives `dl.dataset[s or 0]` as it is: fastai's `do_item` and `create_item`, an indexed dataset, no item transform"
+    cls,own = type(dl),vars(dl)
+    if not dl.indexed or cls.do_item is not _fastai_do_item or cls.create_item is not _fastai_create_item: return False
+    if 'do_item' in own or 'create_item' in own: return False
+    if 'after_item' not in own: return cls.after_item is _fastai_after_item
+    return type(own['after_item']) is Pipeline and not own['after_item'].fs # `TfmdDL`'s, empty
+
+def _held_items(dl, samps, bs:int):
+    "fastai's `filter(None, map(dl.do_item, samps))`, with `dataset[s or 0]` for `do_item` where `_items_as_held` (read at each batch's first item: no callback runs within a batch)"
+    n = 0 # items of the batch being made
+    for s in samps:
+        if n == 0: held,ds = _items_as_held(dl),dl.dataset
+        if not held: o = dl.do_item(s)
+        else:
+            try: o = ds[s or 0]
+            except SkipItemException: o = None
+        if o is not None:
+            n = (n+1) % bs
+            yield o
+
+@replaces(Learner, "an accumulating fit's training loader makes its items without fastai's per-item calls, where they give the sample as held")
+def all_batches(self:Learner):
+    "fastai's `all_batches`; while a fit accumulates, its training loader is the one `DataLoader.create_batches` takes items from as held"
+    __tracebackhide__ = True
+    global _direct
+    acc = (accum_callback(self) or batch_taker(self)) if self.training else None
+    if acc is None: return fastai_method(Learner, 'all_batches')(self)
+    prev,_direct = _direct,(self.dl, getattr(self.dl, '__dict__', {}).get('dl'))
+    try: return fastai_method(Learner, 'all_batches')(self)
+    finally: _direct = prev
+
+@replaces(FastaiDataLoader, "an accumulating fit's training items taken as the dataset holds them, where fastai's `do_item` gives just that")
+def create_batches(self:FastaiDataLoader, samps):
+    "fastai's `create_batches`; for an accumulating fit's training loader, `dataset[s or 0]` where `do_item` would give it as it is"
+    if not any(self is o for o in _direct) or self.prebatched or type(self).chunkify is not _fastai_chunkify:
+        yield from fastai_method(FastaiDataLoader, 'create_batches')(self, samps)
+        return
+    if self.dataset is not None: self.it = iter(self.dataset)
+    yield from map(self.do_batch, self.chunkify(_held_items(self, samps, self.bs)))
 
 # %% ../nbs/patches.ipynb #b7e4a913
 _fastai_cb_call = Callback.__call__ # fastai's: a callback whose class overrides it (or a later patch of it) is called through it

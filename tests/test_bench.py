@@ -72,7 +72,8 @@ def test_overhead_quick(runs):
             "fastxtend_accum (normalize_by='samples')": 12, 'MicroBatching(fixed)': 12,
             "MicroBatching(fixed, normalize_by='samples')": 12}
         assert s['loss records per fit (log_accum_batch True, False)'] == [12, 47]
-        assert s["patched methods put back for fastai's variants"] == 11 # 3 after_batch, _launch_pbar, fit, one_batch, _do_grad_opt, __call__, _call_one, GA before_fit, export
+        # 3 after_batch, _launch_pbar, fit, one_batch, _do_grad_opt, all_batches, __call__, _call_one, GA before_fit, export, create_batches
+        assert s["patched methods put back for fastai's variants"] == 13
         assert s['max |param diff| fastxtend_accum vs PyTorch loop (accumulation)'] < 1e-5
         assert s['max |param diff| MicroBatching(fixed) vs PyTorch loop (accumulation)'] < 1e-5 # batches of 128 split in 4
         assert s['max |param diff| PyTorch loop over the fastai loader vs PyTorch loop (accumulation)'] < 1e-5
