@@ -99,6 +99,13 @@ def spread(xs)->dict:
     xs = list(xs)
     return dict(median=statistics.median(xs), min=min(xs), max=max(xs))
 
+def median_ci(xs, level=0.95, n=2000, seed=0)->list:
+    "A percentile-bootstrap interval of the median of `xs` (seeded: the same figures give the same interval)"
+    import random
+    xs,rng = list(xs),random.Random(seed)
+    ms = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return [ms[int(n*(1-level)/2)], ms[min(n-1, int(n*(1+level)/2))]]
+
 def md_table(headers, rows)->str:
     lines = ['| ' + ' | '.join(headers) + ' |', '|' + '|'.join('---' for _ in headers) + '|']
     return '\n'.join(lines + ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows])

@@ -25,7 +25,7 @@ def test_peers_quick(tmp_path):
     exact = ['PyTorch loop (the floor)', 'Accelerate accumulate()', 'GradientAccumulation(128)',
              "GradientAccumulation(128, normalize_by='samples')", 'GradientAccumulationSchedule(128, 128)',
              'MicroBatching(32) on batches of 128', "GradientAccumulation(128) on PyTorch's DataLoader",
-             "MicroBatching(32) on PyTorch's DataLoader of 128"]
+             "MicroBatching(32) on PyTorch's DataLoader of 128", "GradientAccumulation(128), fastai's per-item loader calls"]
     for k in exact: assert ex[k]['max_param_diff'] < 1e-8 and ex[k]['lrs'] == 'same', (k, ex[k])
     # fastai's own schedules per micro-batch: the comparison can fail, and does
     assert ex["fastai's GradientAccumulation"]['max_param_diff'] > 1e-4 and ex["fastai's GradientAccumulation"]['lrs'] != 'same'
