@@ -471,6 +471,34 @@ def bench_ops(skipped)->dict:
                                  extra={k: v/n_mb for k,v in sorted(d.items()) if v})
     return res
 
+# --- 2c. Python calls per micro-batch: the host's work, counted, whatever the machine's load ---
+
+CALLED = [TORCH_LOOP, ACCELERATE, LIGHTNING, FASTAI_NOACC, FASTAI_GA, GA_AUTO, GA_SAMPLES, GA_ITEMS, GA_FAST, MICRO, MICRO_SAMPLES,
+          GA_TORCH_DL]
+
+def bench_calls(skipped)->dict:
+    """Python function calls (and calls of builtins from Python) that a second epoch adds to a fit, per micro-batch (`sys.setprofile`):
+    the host's work of each way to train, counted rather than timed. A call is no unit of time (a matmul's call and an
+    attribute lookup's count alike), but what the library removes from a micro-batch shows here, whatever the load"""
+    s = Setup(n_epoch=1)
+    runs = build(CALLED, s, skipped)
+    n_mb,res = len(s.samples)//s.micro_bs,{}
+    for k,r in runs.items():
+        s.n_epoch = 1
+        r.fit() # warm-up
+        counts = []
+        for n_epoch in (1, 2):
+            s.n_epoch,n = n_epoch,[0]
+            def prof(frame, event, arg):
+                if event == 'call' or event == 'c_call': n[0] += 1
+            sys.setprofile(prof)
+            try: r.fit()
+            finally: sys.setprofile(None)
+            counts.append(n[0])
+        res[k] = (counts[1]-counts[0])/n_mb
+    s.n_epoch = 1
+    return res
+
 # --- 3. exactness ---
 
 def max_diff(a, b)->float: # on the host: Lightning moves its model back there after a fit
@@ -626,6 +654,16 @@ def report(res:dict)->tuple[str,str]:
                 "in every micro-batch (and weighs the loss by them, adds the window's counts and scales the step), as 'auto' "
                 "did before it read the training set. Unlike a time, it does not depend on the machine's load.", '',
                 md_table(['callbacks (A / B)', 'A', 'B', 'A - B', 'A - B, by op, per micro-batch'], rows), '']
+    ca = res.get('calls')
+    if ca:
+        rows = [[k, f'{v:.0f}', f"{v/ca[TORCH_LOOP]:.2f}" if ca.get(TORCH_LOOP) else '-'] for k,v in sorted(ca.items(), key=lambda kv: kv[1])]
+        pairs = [(a, b) for a,b in TARGETS + [(GA_AUTO, GA_ITEMS), (GA_AUTO, GA_FAST)] if a in ca and b in ca]
+        out += ["### Python calls per micro-batch", '',
+                "The Python function calls (and calls of builtins from Python) that a fit's second epoch adds, per micro-batch "
+                "(`sys.setprofile`): the host's work counted rather than timed, so that it does not depend on the machine's load. "
+                "A call is no unit of time: this shows what each way to train asks of the interpreter, not what it costs.", '',
+                md_table(['way to train', 'calls / micro-batch', 'x PyTorch loop'], rows), '',
+                md_table(['calls, A / B', 'ratio'], [[f'{a} / {b}', f'{ca[a]/ca[b]:.3f}'] for a,b in pairs]), '']
     ex = res.get('exact')
     if ex:
         rows = [[k, v.get('reference', '-'), f"{v['max_param_diff']:.1e}" if 'max_param_diff' in v else v.get('error'),
@@ -651,7 +689,7 @@ def main(argv=None):
     p.add_argument('--reps', type=int, default=None, help='timed repetitions (default 41, quick 2)')
     p.add_argument('--judged-reps', type=int, default=None, help="repetitions of the targets' rows alone, which judge them (default 201, quick 2; 0: the table's)")
     p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 1: short fits interleaved follow the load more closely)')
-    p.add_argument('--parts', default=None, help='default: time,syncs,ops,exact,memory on the CPU; time,syncs,exact on a GPU '
+    p.add_argument('--parts', default=None, help='default: time,syncs,ops,calls,exact,memory on the CPU; time,syncs,exact on a GPU '
                    "(ATen ops do not depend on the device; memory is measured as the host's resident set)")
     p.add_argument('--device', default='cpu', help="where the models train: 'cpu', or 'cuda' (each peer's loader moves the batches)")
     p.add_argument('--out', type=Path, default=RESULTS)
@@ -669,11 +707,12 @@ def main(argv=None):
     res = dict(benchmark='peers', machine=machine(), versions=versions(), config=dict(threads=1, quick=a.quick, n_train=N_TRAIN,
                micro_bs=MICRO_BS, accum_bs=ACCUM_BS, device=a.device, gpu=torch.cuda.get_device_name(a.device) if gpu else None),
                skipped={}, name=a.name, note=a.note)
-    parts = (a.parts or ('time,syncs,exact' if gpu else 'time,syncs,ops,exact,memory')).split(',')
+    parts = (a.parts or ('time,syncs,exact' if gpu else 'time,syncs,ops,calls,exact,memory')).split(',')
     if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 41), a.epochs or 1, res['skipped'],
                                                  (2 if a.quick else 201) if a.judged_reps is None else a.judged_reps)
     if 'syncs' in parts: res['syncs'] = bench_syncs(res['skipped'])
     if 'ops' in parts: res['ops'] = bench_ops(res['skipped'])
+    if 'calls' in parts: res['calls'] = bench_calls(res['skipped'])
     if 'exact' in parts: res['exact'] = bench_exact(res['skipped'], n_epoch=1 if a.quick else 2)
     if 'memory' in parts: res['memory'] = bench_memory(res['skipped'], reps=1 if a.quick else 2)
     if 'time' in res: res['models'] = {'mlp': dict(ratios=[r for r in res['time']['targets'] if r['target'] is not None])} # run.py's summary

@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 def test_peers_quick(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT/'bench'/'peers.py'), '--quick', '--parts', 'time,syncs,ops,exact', '--out', str(tmp_path)],
+    p = subprocess.run([sys.executable, str(ROOT/'bench'/'peers.py'), '--quick', '--parts', 'time,syncs,ops,calls,exact', '--out', str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=420,
                        env=dict(os.environ, PYTHONWARNINGS='ignore', OMP_NUM_THREADS='1'))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -45,3 +45,8 @@ def test_peers_quick(tmp_path):
     for k,v in ops.items():
         if 'TokenCount' in k: assert v['auto'] - v['samples'] > 5, (k, v) # counted on the device, every micro-batch
         else: assert 0 < v['auto'] - v['samples'] <= 0.1, (k, v) # the ops of 'samples', and its checks (a few a fit)
+    calls = res['calls'] # Python calls per micro-batch: counted, whatever the load
+    ga,items = calls['GradientAccumulation(128)'],calls["GradientAccumulation(128), fastai's per-item loader calls"]
+    assert items - ga > 32*4, calls # fastai's do_item, create_item, after_item (and its compose_tfms) for each of 32 samples
+    assert 0 < ga - calls["GradientAccumulation(128, normalize_by='samples')"] < 20, calls # 'auto' looks at each loss's count
+    assert calls['GradientAccumulation(128)'] < calls["fastai's GradientAccumulation"]/2, calls
