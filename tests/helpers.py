@@ -1,4 +1,5 @@
-"Test scaffolding shared by the test files: comparing two runs, CPU mixed precision, an injected fp16 overflow"
+"Test scaffolding shared by the test files: comparing two runs, fastai's own methods put back, CPU mixed precision, an injected fp16 overflow"
+import contextlib
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastxtend_accum.test_utils import max_param_diff
@@ -11,6 +12,16 @@ def assert_same_training(large, other, eps=1e-8):
     test_close(other.recorder.lrs, large.recorder.lrs, eps=1e-12)
     test_eq(other.recorder.iters, large.recorder.iters)
     for a,b in zip(other.recorder.values, large.recorder.values): test_close(a, b, eps=1e-10)
+
+@contextlib.contextmanager
+def fastai_own(*replaced):
+    "fastai's own methods for the duration, where the patch layer replaces them: `replaced` as (class, name) pairs"
+    from fastxtend_accum.patches import fastai_method
+    new = [getattr(c, n) for c,n in replaced]
+    for c,n in replaced: setattr(c, n, fastai_method(c, n))
+    try: yield
+    finally:
+        for (c,n),f in zip(replaced, new): setattr(c, n, f)
 
 def no_grads(learn): return all(p.grad is None or (p.grad == 0).all() for p in learn.model.parameters())
 

@@ -7,18 +7,14 @@ import pytest
 from fastai.basics import *
 from fastai.callback.core import _events
 import fastxtend_accum.patches as patches
-from fastxtend_accum.patches import fastai_method
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.callback.microbatch import MicroBatching
 from fastxtend_accum.test_utils import digits_learner, max_param_diff
+from helpers import fastai_own
 
-@contextlib.contextmanager
 def fastai_dispatch():
     "fastai's own `Learner.__call__` and `_call_one` for the duration"
-    new = Learner.__call__,Learner._call_one
-    Learner.__call__,Learner._call_one = fastai_method(Learner, '__call__'),fastai_method(Learner, '_call_one')
-    try: yield
-    finally: Learner.__call__,Learner._call_one = new
+    return fastai_own((Learner, '__call__'), (Learner, '_call_one'))
 
 @contextlib.contextmanager
 def counting_fast_calls():

@@ -10,18 +10,14 @@ import pytest
 from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader, SkipItemException
 import fastxtend_accum.patches as patches
-from fastxtend_accum.patches import fastai_method
+from helpers import fastai_own
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.callback.microbatch import MicroBatching
 from fastxtend_accum.test_utils import Float64SmoothLoss
 
-@contextlib.contextmanager
 def fastai_items():
     "fastai's own `Learner.all_batches` and `DataLoader.create_batches` for the duration"
-    new = Learner.all_batches,FastaiDataLoader.create_batches
-    Learner.all_batches,FastaiDataLoader.create_batches = fastai_method(Learner, 'all_batches'),fastai_method(FastaiDataLoader, 'create_batches')
-    try: yield
-    finally: Learner.all_batches,FastaiDataLoader.create_batches = new
+    return fastai_own((Learner, 'all_batches'), (FastaiDataLoader, 'create_batches'))
 
 @contextlib.contextmanager
 def counting_held():
