@@ -156,7 +156,8 @@ _NLL_BACKWARD,_ALIAS_BACKWARD = _nll_backward()
 def loss_items(loss:Tensor, # A micro-batch's loss, before any term is added to it
               )->Tensor|None:
     "What a mean cross-entropy or NLL `loss` divided by (its targets, or their class weights), read from its graph: `None` if it is not one"
-    gf = getattr(loss, 'grad_fn', None)
+    # read past a subclass's `__torch_function__`: fastai's `TensorBase` loss spends 8 µs on every attribute read (0.6 µs here)
+    with torch._C.DisableTorchFunctionSubclass(): gf = getattr(loss, 'grad_fn', None)
     if type(gf) is _ALIAS_BACKWARD: gf = gf.next_functions[0][0] # fastai's `BaseLoss` returns a `TensorBase` alias of it
     if type(gf) not in _NLL_BACKWARD or gf._saved_reduction != 1: return None # 1: PyTorch's Reduction::Mean
     tw = gf._saved_total_weight
