@@ -23,7 +23,8 @@ from .messages import warn, linked
 import cloudpickle
 
 # %% auto #0
-__all__ = ['REPLACED', 'fastai_method', 'replaces', 'AccumView', 'accum_callback', 'batch_taker', 'accum_logger', 'patch_loggers']
+__all__ = ['REPLACED', 'fastai_method', 'replaces', 'AccumView', 'accum_callback', 'batch_taker', 'training_owner',
+           'accum_logger', 'patch_loggers']
 
 # %% ../nbs/patches.ipynb #4482bb51
 REPLACED = {} # 'Class.method': why, for every fastai method replaced here
@@ -80,6 +81,10 @@ def batch_taker(learn:Learner)->AccumView|None:
     for cb in _items(learn.cbs):
         if vars(cb).get('taking_batches'): return cb
 
+def training_owner(learn:Learner)->AccumView|None:
+    "The callback a training batch of `learn` goes through: the accumulating one, or one that takes the batches over; `None` outside training"
+    return (accum_callback(learn) or batch_taker(learn)) if learn.training else None
+
 def accum_logger(learn:Learner, # The Learner whose callbacks to look through
                 )->AccumView|None:
     "The accumulation callback on `learn` that asks for one record per optimizer step while training, if any"
@@ -129,7 +134,7 @@ def _on_device(learn:Learner, b):
 def one_batch(self:Learner, i, b):
     "fastai's `one_batch`; while a fit accumulates, inside the callback's `micro_batch` and with its `train_batch`"
     __tracebackhide__ = True
-    acc = (accum_callback(self) or batch_taker(self)) if self.training else None
+    acc = training_owner(self)
     if acc is None: return fastai_method(Learner, 'one_batch')(self, i, b)
     self.iter = i
     b = _on_device(self, b)
@@ -145,17 +150,19 @@ def _do_grad_opt(self:Learner):
     acc.grad_opt()
 
 # %% ../nbs/patches.ipynb #b471628c
-_fastai_do_item,_fastai_create_item,_fastai_after_item,_fastai_chunkify = (FastaiDataLoader.do_item,FastaiDataLoader.create_item,
-    FastaiDataLoader.after_item,FastaiDataLoader.chunkify)
+_FASTAI_DL = {n: getattr(FastaiDataLoader, n) for n in ('do_item', 'create_item', 'after_item', 'chunkify')}
 _direct = () # the training loader an accumulating fit iterates (`Learner.all_batches`), and the one it wraps (fastai's `DistributedDL`)
+
+def _fastais(dl, *names:str)->bool:
+    "Whether `dl`'s methods `names` are fastai's `DataLoader`'s: its class's, and none passed to the loader (fastai takes them as arguments)"
+    cls,own = type(dl),vars(dl)
+    return all(getattr(cls, n) is _FASTAI_DL[n] and n not in own for n in names)
 
 def _items_as_held(dl)->bool:
     "Whether fastai's `do_item` gives `dl.dataset[s or 0]` as it is: fastai's `do_item` and `create_item`, an indexed dataset, no item transform"
-    cls,own = type(dl),vars(dl)
-    if not dl.indexed or cls.do_item is not _fastai_do_item or cls.create_item is not _fastai_create_item: return False
-    if 'do_item' in own or 'create_item' in own: return False
-    if 'after_item' not in own: return cls.after_item is _fastai_after_item
-    return type(own['after_item']) is Pipeline and not own['after_item'].fs # `TfmdDL`'s, empty
+    if not dl.indexed or not _fastais(dl, 'do_item', 'create_item'): return False
+    tfm = vars(dl).get('after_item')
+    return _fastais(dl, 'after_item') or (type(tfm) is Pipeline and not tfm.fs) # `TfmdDL`'s, empty
 
 def _held_items(dl, samps, bs:int):
     "fastai's `filter(None, map(dl.do_item, samps))`, with `dataset[s or 0]` for `do_item` where `_items_as_held` (read at each batch's first item: no callback runs within a batch)"
@@ -175,7 +182,7 @@ def all_batches(self:Learner):
     "fastai's `all_batches`; while a fit accumulates, its training loader is the one `DataLoader.create_batches` takes items from as held"
     __tracebackhide__ = True
     global _direct
-    acc = (accum_callback(self) or batch_taker(self)) if self.training else None
+    acc = training_owner(self)
     if acc is None: return fastai_method(Learner, 'all_batches')(self)
     prev,_direct = _direct,(self.dl, getattr(self.dl, '__dict__', {}).get('dl'))
     try: return fastai_method(Learner, 'all_batches')(self)
@@ -184,7 +191,7 @@ def all_batches(self:Learner):
 @replaces(FastaiDataLoader, "an accumulating fit's training items taken as the dataset holds them, where fastai's `do_item` gives just that")
 def create_batches(self:FastaiDataLoader, samps):
     "fastai's `create_batches`; for an accumulating fit's training loader, `dataset[s or 0]` where `do_item` would give it as it is"
-    if not any(self is o for o in _direct) or self.prebatched or type(self).chunkify is not _fastai_chunkify:
+    if not any(self is o for o in _direct) or self.prebatched or not _fastais(self, 'chunkify'):
         yield from fastai_method(FastaiDataLoader, 'create_batches')(self, samps)
         return
     if self.dataset is not None: self.it = iter(self.dataset)
