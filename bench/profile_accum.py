@@ -11,7 +11,8 @@ The setup of `peers.py` (CPU, 1 thread, digits repeated to 3,200 samples, MLP 64
 3. **Micro-timings**: what one event dispatch costs with the fit's callbacks and no handler, what sorting the callbacks
    costs, what `Callback.__getattr__`'s fallthrough to the Learner and `Callback.__setattr__`'s shadowing check cost.
 4. **What-if**: the fit as it is, and with fastai's own way put back for one part the library saves (its event dispatch,
-   its device step), timed side by side (and checked to train and record identically).
+   its device step, the training loader's per-item `do_item` and per-batch `retain`), timed side by side (and checked to
+   train and record identically).
 
 Prints the report; `--out results/profile.md` also writes it, and `run.py` then shows it on the benchmarks page."""
 from __future__ import annotations
@@ -216,13 +217,16 @@ def what_ifs()->dict:
     from overhead import fastai_as_shipped
     import fastxtend_accum.patches as patches
     @contextlib.contextmanager
-    def fastai_set_device():
-        f = patches._on_device
-        patches._on_device = lambda learn, b: learn._set_device(b)
+    def swapped(name, f):
+        old = getattr(patches, name)
+        setattr(patches, name, f(old))
         try: yield
-        finally: patches._on_device = f
+        finally: setattr(patches, name, old)
+    no_retain = lambda fastais: lambda dl, *names: names != ('do_batch', 'retain') and fastais(dl, *names)
     return {"fastai's event dispatch (Learner.__call__/_call_one)": lambda: fastai_as_shipped({'__call__', '_call_one'}),
-            "fastai's _set_device (the batch rebuilt on its device)": fastai_set_device}
+            "fastai's _set_device (the batch rebuilt on its device)": lambda: swapped('_on_device', lambda f: lambda learn, b: learn._set_device(b)),
+            "fastai's do_item for each sample (the items as held off)": lambda: swapped('_items_as_held', lambda f: lambda dl: False),
+            "fastai's retain for each batch (the batches as collated off)": lambda: swapped('_fastais', no_retain)}
 
 def what_if(cb_factory, n_epoch, reps):
     "The fit as it is, and with each `what_ifs` part put back, interleaved: time per micro-batch, identical runs"
@@ -268,8 +272,9 @@ def report(cfg, secs:dict, top:str, micro:list, wi:dict|None=None)->str:
         u,r = wi['us'],wi['ratio']
         lines += ['', "### What-if: fastai's own way put back, one part at a time", '',
                   "What the library saves on fastai's per-micro-batch work, while a fit accumulates: its event dispatch (the same "
-                  "callbacks called in the same order with the same checks, what each defines resolved once per fit; `patches`) and "
-                  "its device step (a batch already on the model's device is not rebuilt; `patches._on_device`). Each row puts "
+                  "callbacks called in the same order with the same checks, what each defines resolved once per fit; `patches`), "
+                  "its device step (a batch already on the model's device is not rebuilt; `patches._on_device`), and its training "
+                  "loader's items as the dataset holds them and batches as collated (`patches.create_batches`). Each row puts "
                   "fastai's own back for that part alone. Interleaved repetitions, CPU time per micro-batch in us, median [min, "
                   "max], and the ratio to 'as it is':", '']
         for k in u: lines.append(f"- {k}: {u[k]['median']:.0f} [{u[k]['min']:.0f}, {u[k]['max']:.0f}]; ratio {r[k]['median']:.3f} [{r[k]['min']:.3f}, {r[k]['max']:.3f}]")

@@ -4,7 +4,7 @@
 
 # %% ../nbs/patches.ipynb #816d7936
 from __future__ import annotations
-import contextlib, inspect, sys, warnings, weakref
+import contextlib, functools, inspect, sys, warnings, weakref
 import fastai.learner
 from typing import Protocol
 from fastai.basics import *
@@ -150,7 +150,7 @@ def _do_grad_opt(self:Learner):
     acc.grad_opt()
 
 # %% ../nbs/patches.ipynb #b471628c
-_FASTAI_DL = {n: getattr(FastaiDataLoader, n) for n in ('do_item', 'create_item', 'after_item', 'chunkify')}
+_FASTAI_DL = {n: getattr(FastaiDataLoader, n) for n in ('do_item', 'create_item', 'after_item', 'chunkify', 'do_batch', 'retain')}
 _direct = () # the training loader an accumulating fit iterates (`Learner.all_batches`), and the one it wraps (fastai's `DistributedDL`)
 
 def _fastais(dl, *names:str)->bool:
@@ -177,6 +177,17 @@ def _held_items(dl, samps, bs:int):
             n = (n+1) % bs
             yield o
 
+def _held_batch(dl, b:list):
+    "fastai's `dl.do_batch(b)`, without its `retain` where that gives the collated batch as it is: a first sample of plain tensors"
+    # fastai's `do_batch`, `retain(create_batch(before_batch(b)), b)`, with fastai's `retain`: read at each batch, as the items are
+    if not _fastais(dl, 'do_batch', 'retain'): return dl.do_batch(b)
+    res = dl.create_batch(dl.before_batch(b))
+    # fastai's `retain_types` casts each collated tensor to its first sample's type where that type is a subclass of the
+    # tensor's: `Tensor` is a subclass of no tensor type, and a tuple stays a tuple (the same tensors, in a tuple built anew)
+    first = b[0]
+    if type(res) is tuple and type(first) is tuple and len(res) == len(first) and all(type(o) is Tensor for o in first): return res
+    return dl.retain(res, b)
+
 @replaces(Learner, "an accumulating fit's training loader makes its items without fastai's per-item calls, where they give the sample as held")
 def all_batches(self:Learner):
     "fastai's `all_batches`; while a fit accumulates, its training loader is the one `DataLoader.create_batches` takes items from as held"
@@ -188,14 +199,15 @@ def all_batches(self:Learner):
     try: return fastai_method(Learner, 'all_batches')(self)
     finally: _direct = prev
 
-@replaces(FastaiDataLoader, "an accumulating fit's training items taken as the dataset holds them, where fastai's `do_item` gives just that")
+@replaces(FastaiDataLoader, "an accumulating fit's training items taken as the dataset holds them, and batches as collated, where fastai's "
+          "`do_item` and `retain` give just that")
 def create_batches(self:FastaiDataLoader, samps):
-    "fastai's `create_batches`; for an accumulating fit's training loader, `dataset[s or 0]` where `do_item` would give it as it is"
+    "fastai's `create_batches`; for an accumulating fit's training loader, `dataset[s or 0]` and the collated batch where fastai's would give them as they are"
     if not any(self is o for o in _direct) or self.prebatched or not _fastais(self, 'chunkify'):
         yield from fastai_method(FastaiDataLoader, 'create_batches')(self, samps)
         return
     if self.dataset is not None: self.it = iter(self.dataset)
-    yield from map(self.do_batch, self.chunkify(_held_items(self, samps, self.bs)))
+    yield from map(functools.partial(_held_batch, self), self.chunkify(_held_items(self, samps, self.bs)))
 
 # %% ../nbs/patches.ipynb #b7e4a913
 _fastai_cb_call = Callback.__call__ # fastai's: a callback whose class overrides it (or a later patch of it) is called through it

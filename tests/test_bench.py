@@ -148,3 +148,4 @@ def test_profile_runs(tmp_path):
     assert float(rows["event dispatch (the library's, while accumulating: Learner.__call__/_call_one, _Dispatch)"]) > 0
     assert "identical parameters (bitwise) in all: True; identical Recorder losses, lrs, values and iters: True" in text
     assert "fastai's event dispatch (Learner.__call__/_call_one)" in text and "fastai's _set_device" in text
+    assert "fastai's do_item for each sample" in text and "fastai's retain for each batch" in text

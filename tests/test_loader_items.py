@@ -1,11 +1,13 @@
 """The patch layer's item path (`Learner.all_batches`, `DataLoader.create_batches`): while a fit accumulates, a training
-loader whose `do_item` would give each sample as the dataset holds it yields its batches without fastai's per-item calls.
-Each fit here runs twice, once with fastai's own `all_batches`/`create_batches` put back, and must see the same batches
-(every tensor, in order, bitwise), train to the same parameters and record the same losses: shuffled and in-order loaders,
-a short last batch kept or dropped, samples skipped (`SkipItemException`) or `None`, a loader with an item transform (and
-one given a transform mid-epoch, by a callback), a loader whose `do_item` is its own, `MicroBatching`, a validation set,
-a fit that does not accumulate, and a fit that raises."""
-import contextlib
+loader whose `do_item` would give each sample as the dataset holds it yields its batches without fastai's per-item calls,
+and without fastai's `retain` where it would give the collated batch as it is (a first sample of plain tensors). Each fit
+here runs twice, once with fastai's own `all_batches`/`create_batches` put back, and must see the same batches (every
+tensor, its type, in order, bitwise), train to the same parameters and record the same losses: shuffled and in-order
+loaders, a short last batch kept or dropped, samples skipped (`SkipItemException`) or `None`, a loader with an item
+transform (and one given a transform mid-epoch, by a callback), a loader whose `do_item` or `retain` is its own, samples
+of fastai's tensor types (all, the first, all but the first), `MicroBatching`, a validation set, a fit that does not
+accumulate, and a fit that raises."""
+import contextlib, sys
 import pytest
 from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader, SkipItemException
@@ -21,9 +23,15 @@ def fastai_items():
 
 @contextlib.contextmanager
 def counting_held():
-    "Count the epochs whose items went the library's way (`_held_items`), and the items it took as held"
-    n,f = {'epochs': 0, 'held': 0},patches._held_items
-    ia = patches._items_as_held
+    "Count the epochs whose items went the library's way (`_held_items`), the items it took as held, and fastai's `retain_types` calls in them"
+    import fastai.data.load as load
+    n,f = {'epochs': 0, 'held': 0, 'retained': 0},patches._held_items
+    ia,rt = patches._items_as_held,load.retain_types
+    def retain_types(*args, **kw):
+        f = sys._getframe(1) # in the batches an accumulating fit's training loader makes (not `TfmdDL._one_pass`'s)
+        while f is not None and f.f_code.co_name != 'create_batches': f = f.f_back
+        n['retained'] += bool(patches._direct) and f is not None
+        return rt(*args, **kw)
     def held(dl, samps, bs):
         n['epochs'] += 1
         return f(dl, samps, bs)
@@ -31,9 +39,9 @@ def counting_held():
         r = ia(dl)
         n['held'] += r
         return r
-    patches._held_items,patches._items_as_held = held,as_held
+    patches._held_items,patches._items_as_held,load.retain_types = held,as_held,retain_types
     try: yield n
-    finally: patches._held_items,patches._items_as_held = f,ia
+    finally: patches._held_items,patches._items_as_held,load.retain_types = f,ia,rt
 
 class Batches(Callback):
     "Every training batch the model sees, cloned, in order"
@@ -87,6 +95,30 @@ def plain(ds, bs=16, shuffle=True, drop_last=False, cls=FastaiDataLoader, **kw):
 def test_samples_as_held_same_fit(make_cb):
     n = same_fit(from_dsets(samples(100)), make_cb) # 100 = 6 batches of 16 and a short one of 4
     assert n['epochs'] == 2 and n['held'] == 14 # two epochs of 7 batches, each read as held at its first item
+    assert n['retained'] == 0 # samples of plain tensors: fastai's `retain` would give each collated batch as it is
+
+def typed(items, first_only=False):
+    "The samples with fastai's tensor types (`TensorBase` inputs, `TensorCategory` targets): all of them, or the first only"
+    return [(x.as_subclass(TensorBase), y.as_subclass(TensorCategory)) if i == 0 or not first_only else (x, y) for i,(x,y) in enumerate(items)]
+
+@pytest.mark.parametrize('first_only', [False, True], ids=['all', 'first'])
+def test_typed_samples_keep_fastais_types(first_only):
+    "fastai's `retain` casts a batch to its first sample's types: done where that sample holds a subclass, as fastai does"
+    n = same_fit(plain(typed(samples(100), first_only), shuffle=False), lambda: GradientAccumulation(32))
+    assert n['epochs'] == 2 and n['held'] > 0 and n['retained'] > 0
+
+def test_plain_first_sample_then_typed_ones_alike():
+    "A batch whose first sample is plain and later ones typed: collated as fastai collates them, with no cast (as fastai's)"
+    items = samples(100)
+    items = [o if i % 16 == 0 else (o[0].as_subclass(TensorBase), o[1]) for i,o in enumerate(items)]
+    n = same_fit(plain(items, shuffle=False), lambda: GradientAccumulation(32))
+    assert n['epochs'] == 2 and n['retained'] == 0
+
+def test_a_loader_with_its_own_retain_goes_fastais_way():
+    "A `retain` passed to the loader is called on every batch, whatever the samples"
+    as_base = lambda res, b: tuple(o.as_subclass(TensorBase) for o in res)
+    n = same_fit(plain(samples(100), retain=as_base), lambda: GradientAccumulation(32)) # types compared batch by batch
+    assert n['epochs'] == 2 and n['held'] > 0
 
 @pytest.mark.parametrize('drop_last', [False, True])
 @pytest.mark.parametrize('shuffle', [False, True])
