@@ -99,11 +99,12 @@ def spread(xs)->dict:
     xs = list(xs)
     return dict(median=statistics.median(xs), min=min(xs), max=max(xs))
 
-def median_ci(xs, level=0.95, n=2000, seed=0)->list:
-    "A percentile-bootstrap interval of the median of `xs` (seeded: the same figures give the same interval)"
+def grouped_median_ci(groups, level=0.95, n=2000, seed=0)->list:
+    """A bootstrap interval of the median of all of `groups`' figures that resamples the groups, then the figures within each
+    (seeded): where the groups differ among themselves more than their figures do (one process each), the interval says so"""
     import random
-    xs,rng = list(xs),random.Random(seed)
-    ms = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
+    groups,rng = [list(g) for g in groups if len(g)],random.Random(seed)
+    ms = sorted(statistics.median([x for g in rng.choices(groups, k=len(groups)) for x in rng.choices(g, k=len(g))]) for _ in range(n))
     return [ms[int(n*(1-level)/2)], ms[min(n-1, int(n*(1+level)/2))]]
 
 def md_table(headers, rows)->str:

@@ -14,7 +14,9 @@ fastai's `Adam` (what each framework's users get). Four measures:
 
 1. **Time**: CPU time of the training epochs (setup left out: Lightning builds a `Trainer` per fit) per micro-batch, the
    peers interleaved (ABC.. ..CBA: the order reversed every other repetition) after a warm-up round; the ratio to the
-   PyTorch loop of the same repetition, median [min, max].
+   PyTorch loop of the same repetition, median [min, max]. The targets are judged on further repetitions of their rows
+   alone, shared among 5 fresh processes (a process's median ratio moves from one process to the next), the rows in a new
+   random order at each repetition, with an A/A row ('samples' against a second row of it) that shows the noise.
 2. **Host syncs per optimizer step** (`syncs.SyncCounter`: `.item()`, `bool()`, `.cpu()`, `.tolist()`... of tensors that
    would be on the GPU; the loaders' host work and `torch.optim`'s host step counts left out), over one epoch, with the
    logging each peer does by default, and the variants that change it.
@@ -76,8 +78,8 @@ MICRO_DEVICE = 'MicroBatching(32) on batches of 128 + RecordOnDevice()'
 # replaces while a fit accumulates): what the library's dispatch saves, measured in the same run
 GA_FAST = "GradientAccumulation(128), fastai's event dispatch"
 GA_SAMPLES_FAST = "GradientAccumulation(128, normalize_by='samples'), fastai's event dispatch"
-# what the library's item path saves: fastai's own `Learner.all_batches`/`DataLoader.create_batches` put back
-GA_ITEMS = "GradientAccumulation(128), fastai's per-item loader calls"
+# what the library's item path saves (items as held, batches as collated): fastai's own `Learner.all_batches`/`DataLoader.create_batches` put back
+GA_ITEMS = "GradientAccumulation(128), fastai's per-item and per-batch loader calls"
 # also not a target: the library's callback with PyTorch's AdamW (foreach) through fastai's `OptimWrapper`, the optimizer the
 # PyTorch, Accelerate and Lightning loops use, instead of fastai's `Adam` (a Python loop over the parameters)
 GA_TORCH_OPT = "GradientAccumulation(128), OptimWrapper(torch AdamW)"
@@ -85,6 +87,8 @@ GA_TORCH_OPT = "GradientAccumulation(128), OptimWrapper(torch AdamW)"
 # the PyTorch, Accelerate and Lightning loops use, instead of fastai's: what of the gap to them is the loader's
 GA_TORCH_DL = "GradientAccumulation(128) on PyTorch's DataLoader"
 MICRO_TORCH_DL = "MicroBatching(32) on PyTorch's DataLoader of 128"
+# not a target: 'samples' against a second row of itself, judged as the targets are (A/A): what two identical rows differ by
+GA_SAMPLES_AA = "GradientAccumulation(128, normalize_by='samples'), a second row of it"
 # what 'auto' did before it read a cross-entropy's count from the loss: the same count, taken from the targets on the device
 GA_TOKENS = 'GradientAccumulation(128, normalize_by=TokenCount())'
 TIMED = [TORCH_LOOP, TORCH_TENSORS, ACCELERATE, LIGHTNING, FASTAI_NOACC, FASTAI_GA, FASTXTEND, GA_AUTO, GA_SAMPLES, SCHED, MICRO, MICRO_SAMPLES,
@@ -99,6 +103,7 @@ TORCH_DL = {GA_TORCH_DL, MICRO_TORCH_DL} # fastai on PyTorch's loader: against f
 TARGETS = [(GA_AUTO, LIGHTNING), (GA_SAMPLES, LIGHTNING), (MICRO, ACCELERATE), (MICRO_SAMPLES, ACCELERATE), (GA_AUTO, GA_SAMPLES),
            (MICRO, MICRO_SAMPLES)]
 AUTO_TARGET = {GA_SAMPLES: 1.02, MICRO_SAMPLES: 1.02} # 'auto' at most 1.02x 'samples'
+CONTROLS = [(GA_SAMPLES_AA, GA_SAMPLES)] # judged beside the targets, with no target: the machine's noise, as a ratio
 WHAT_IF = [(GA_AUTO, GA_FAST), (GA_SAMPLES, GA_SAMPLES_FAST), (GA_AUTO, GA_ITEMS), (GA_TORCH_OPT, GA_AUTO), (GA_TORCH_DL, LIGHTNING), (GA_TORCH_DL, GA_AUTO),
            (MICRO_TORCH_DL, ACCELERATE), (MICRO_TORCH_DL, MICRO),
            (GA_TOKENS, GA_SAMPLES), (GA_TOKENS, GA_AUTO)] # shown, not judged
@@ -350,7 +355,7 @@ def builders()->dict:
     return {TORCH_LOOP: TorchLoop, TORCH_TENSORS: tensor_loop, ACCELERATE: AccelerateLoop, LIGHTNING: LightningLoop,
             LIGHTNING_LOG: lambda s: LightningLoop(s, log=True),
             FASTAI_NOACC: lambda s: FastaiRun(s, as_shipped=True), FASTAI_GA: fastai_ga, FASTXTEND: fastxtend_ga,
-            GA_AUTO: ours('ga'), GA_SAMPLES: ours('ga', normalize_by='samples'),
+            GA_AUTO: ours('ga'), GA_SAMPLES: ours('ga', normalize_by='samples'), GA_SAMPLES_AA: ours('ga', normalize_by='samples'),
             GA_AUTO_NOLOG: ours('ga', log_accum_batch=False), GA_SAMPLES_NOLOG: ours('ga', normalize_by='samples', log_accum_batch=False),
             SCHED: ours('sched'), SCHED_SAMPLES: ours('sched', normalize_by='samples'), SCHED_NOLOG: ours('sched', log_accum_batch=False),
             SCHED_SAMPLES_NOLOG: ours('sched', normalize_by='samples', log_accum_batch=False),
@@ -370,7 +375,39 @@ def build(names, s:Setup, skipped:dict)->dict:
 
 # --- 1. time ---
 
-def bench_time(reps, n_epoch, skipped, judged_reps=0, instances=3)->dict:
+def judged_fits(reps:int, n_epoch:int, instances:int=3, seed:int=0)->dict:
+    """The targets' rows (and the A/A control's) alone, in this process: `reps` repetitions, the rows in a new random order in
+    each (no row always first, or always after the same one), each row in `instances` copies built alike and taken in turn;
+    {row: [CPU s of each fit]}"""
+    import random
+    s,skipped,rng = Setup(n_epoch=n_epoch),{},random.Random(seed)
+    names = list(dict.fromkeys(n for pair in TARGETS + CONTROLS for n in pair))
+    copies = {k: [r] + [builders()[k](s) for _ in range(instances-1)] for k,r in build(names, s, skipped).items()}
+    for cs in copies.values():
+        for r in cs: r.fit() # warm-up
+    out,order = {k: [] for k in copies},list(copies)
+    for i in range(reps):
+        rng.shuffle(order)
+        for k in order:
+            gc.collect()
+            out[k].append(copies[k][i % instances].fit())
+    return out
+
+def judged_in_processes(reps:int, n_epoch:int, procs:int, instances:int=3, timeout:int=1800)->list[dict]:
+    "`judged_fits` in `procs` fresh processes, one after the other, `reps` repetitions in all: each process's {row: [CPU s]}"
+    import subprocess, tempfile
+    per,groups = -(-reps//procs),[]
+    with tempfile.TemporaryDirectory() as d:
+        for j in range(procs):
+            out = Path(d)/f'{j}.json'
+            cmd = [sys.executable, str(Path(__file__).resolve()), '--judged-child', str(per), '--epochs', str(n_epoch),
+                   '--instances', str(instances), '--seed', str(j), '--out', str(out)]
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, PYTHONWARNINGS='ignore'))
+            if p.returncode: raise RuntimeError(f'judged process {j} exited with {p.returncode}:\n{p.stdout[-2000:]}{p.stderr[-3000:]}')
+            groups.append(json.loads(out.read_text()))
+    return groups
+
+def bench_time(reps, n_epoch, skipped, judged_reps=0, judged_procs=5, instances=3)->dict:
     s = Setup(n_epoch=n_epoch)
     runs = build(TIMED, s, skipped)
     n_mb = n_epoch*len(s.samples)//s.micro_bs
@@ -382,32 +419,37 @@ def bench_time(reps, n_epoch, skipped, judged_reps=0, instances=3)->dict:
             cpu[k].append(r.fit())
     # the targets' rows again, alone, for many more repetitions: a median ratio of 41 moves by a few percent on a shared machine.
     # Each row in `instances` copies built alike, taken in turn: two copies of one row differ by up to 2% here, repetition
-    # after repetition (where their tensors lie in memory), which no number of repetitions of one copy averages out
-    judged,names = {},[k for k in dict.fromkeys(n for pair in TARGETS for n in pair) if k in runs]
-    copies = {k: [runs[k]] + [builders()[k](s) for _ in range(instances-1)] for k in names} if judged_reps else {}
-    for k in names:
-        for r in copies[k][1:]: r.fit() # warm-up
-    for i in range(judged_reps):
-        for k in (names if i % 2 == 0 else names[::-1]):
-            gc.collect()
-            judged.setdefault(k, []).append(copies[k][i % instances].fit())
+    # after repetition (where their tensors lie in memory), which no number of repetitions of one copy averages out. And in
+    # `judged_procs` fresh processes: here, five processes of 60 repetitions gave medians of one ratio from 0.920 to 1.032,
+    # and two runs of 201 in one process each gave a median outside the other's interval; so the interval resamples the
+    # processes too
+    groups = judged_in_processes(judged_reps, n_epoch, judged_procs, instances) if judged_reps else []
     ref = cpu[TORCH_LOOP]
     rows = {}
     for k,v in cpu.items():
         rows[k] = dict(cpu_s=v, us_per_micro_batch=spread(t/n_mb*1e6 for t in v),
                        x_torch_loop=spread(t/tr for t,tr in zip(v, ref)), best_of=min(v)/min(ref))
     targets = []
-    for a,b in TARGETS + WHAT_IF:
-        if a not in rows or b not in rows: continue
+    for a,b in TARGETS + CONTROLS + WHAT_IF:
+        control = (a,b) in CONTROLS # judged with the targets, though not in the table's rows
+        if not control and (a not in rows or b not in rows): continue
         # the two ratios to the PyTorch loop compared: the same as the two times compared side by side in each repetition
-        src = judged if (a,b) in TARGETS and judged else cpu
-        r,target = spread(ta/tb for ta,tb in zip(src[a], src[b])),AUTO_TARGET.get(b, 1.)
-        if (a,b) in WHAT_IF: target = None # a prototype's figure, not a target of the library
-        # the median's 95% bootstrap interval: a target is met beyond this machine's noise where the whole interval meets it
-        ci = median_ci(ta/tb for ta,tb in zip(src[a], src[b]))
-        targets.append(dict(measure='wall time' if s.cuda else 'CPU time', variant=a, reference=b, **r, ci95=ci, reps=len(src[a]), best_of=min(src[a])/min(src[b]), x_torch_loop=[rows[a]['x_torch_loop']['median'],
-                            rows[b]['x_torch_loop']['median']], target=target, met=None if target is None else r['median'] <= target))
-    return dict(n_epoch=n_epoch, reps=reps, judged_reps=judged_reps, instances=instances, micro_batches=n_mb, rows=rows, targets=targets)
+        judged = (a,b) in TARGETS + CONTROLS and all(a in g and b in g for g in groups) and bool(groups)
+        if control and not judged: continue
+        srcs = groups if judged else [cpu]
+        ratios = [[ta/tb for ta,tb in zip(g[a], g[b])] for g in srcs]
+        r,target = spread(x for g in ratios for x in g),AUTO_TARGET.get(b, 1.)
+        if (a,b) in WHAT_IF or control: target = None # a prototype's figure, or the noise: not a target of the library
+        # the median's 95% bootstrap interval (the processes resampled too): a target is met beyond this machine's noise where
+        # the whole interval meets it
+        ci = grouped_median_ci(ratios)
+        targets.append(dict(measure='wall time' if s.cuda else 'CPU time', variant=a, reference=b, **r, ci95=ci, reps=sum(map(len, ratios)),
+                            proc_medians=[statistics.median(g) for g in ratios] if judged else None,
+                            best_of=min(x for g in srcs for x in g[a])/min(x for g in srcs for x in g[b]), control=control,
+                            x_torch_loop=[rows[k]['x_torch_loop']['median'] if k in rows else None for k in (a, b)],
+                            target=target, met=None if target is None else r['median'] <= target))
+    return dict(n_epoch=n_epoch, reps=reps, judged_reps=sum(len(next(iter(g.values()), [])) for g in groups), judged_procs=len(groups),
+                instances=instances, micro_batches=n_mb, rows=rows, targets=targets)
 
 # --- 2. host syncs ---
 
@@ -608,23 +650,29 @@ def report(res:dict)->tuple[str,str]:
                  "micro-batches), median [min, max]")
         out += [title, '', md_table(['way to train', 'us / micro-batch', 'x PyTorch loop', 'best-of (fastest / fastest)'], rows), '']
         if t['targets']:
-            trows = [[f"{r['variant']} / {r['reference']}", fmt_spread(r, '{:.3f}'), '[{:.3f}, {:.3f}]'.format(*r['ci95']), f"{r['best_of']:.3f}",
-                      f"{r['x_torch_loop'][0]:.2f} vs {r['x_torch_loop'][1]:.2f}", '-' if r['target'] is None else f"<= {r['target']:.2f}",
-                      '(not judged)' if r['met'] is None else verdict(r)] for r in t['targets']]
+            procs = lambda r: '[{:.3f}, {:.3f}]'.format(min(r['proc_medians']), max(r['proc_medians'])) if r.get('proc_medians') else '-'
+            trows = [[f"{r['variant']} / {r['reference']}", fmt_spread(r, '{:.3f}'), '[{:.3f}, {:.3f}]'.format(*r['ci95']), procs(r), f"{r['best_of']:.3f}",
+                      ' vs '.join('-' if x is None else f'{x:.2f}' for x in r['x_torch_loop']), '-' if r['target'] is None else f"<= {r['target']:.2f}",
+                      '(A/A: the noise)' if r.get('control') else '(not judged)' if r['met'] is None else verdict(r)] for r in t['targets']]
             out += [f"Targets (issue 26): this library's callback at or below the peer's ratio to the PyTorch loop, i.e. its {'wall' if gpu else 'CPU'} time "
                     "over the peer's, measured side by side in each repetition, at most 1 ('auto' at most 1.02x 'samples'). The rows "
                     "\"fastai's event dispatch\" are the library's callback with fastai's own `Learner.__call__`/`_call_one` put "
-                    "back, to show what the library's exact dispatch (`patches`) saves; \"fastai's per-item loader calls\" puts back "
+                    "back, to show what the library's exact dispatch (`patches`) saves; \"fastai's per-item and per-batch loader calls\" puts back "
                     "fastai's own `Learner.all_batches`/`DataLoader.create_batches`, to show what taking the training items as "
-                    "the dataset holds them saves (the same batches); 'OptimWrapper(torch AdamW)' shows what "
+                    "the dataset holds them, and their batches as collated, saves (the same batches); 'OptimWrapper(torch AdamW)' shows what "
                     "fastai's `Adam` costs against the PyTorch optimizer the other loops use; \"on PyTorch's DataLoader\" shows the "
                     "library's callbacks on the loader the PyTorch, Accelerate and Lightning loops use (fastai's `Learner` takes it "
                     "as it is): what of the gap to them is fastai's loader.", '',
-                    "The median's 95% interval is a bootstrap of the repetitions' ratios: 'met' where the median meets the target, "
-                    "and 'beyond noise' where the whole interval does. " + (f"The targets are judged on {t['judged_reps']} further "
-                    f"interleaved repetitions of their rows alone, each row in {t.get('instances', 1)} copies built alike and "
-                    "taken in turn (the rows not judged, on the table's)." if t.get('judged_reps') else ''), '',
-                    md_table([f"{'wall' if gpu else 'CPU'} time ratio", 'median [min, max]', "median's 95% interval", 'best-of',
+                    "The median's 95% interval is a bootstrap of the repetitions' ratios (the processes resampled, then the "
+                    "repetitions within each): 'met' where the median meets the target, and 'beyond noise' where the whole interval "
+                    "does. " + (f"The targets are judged on {t['judged_reps']} further repetitions of their rows alone, in "
+                    f"{t.get('judged_procs', 1)} fresh process{'es' if t.get('judged_procs', 1) != 1 else ''} one after the other (a process's median moves from one process to "
+                    "the next more than the repetitions within one say: 'process medians' gives the lowest and highest), each row "
+                    f"in {t.get('instances', 1)} copies built alike and taken in turn, in a new random order at each repetition; "
+                    "the rows not judged, on the table's. The A/A row is 'samples' against a second row of it, judged with the "
+                    "targets: two identical rows differ by that much here, which a target's ratio is to be read against."
+                    if t.get('judged_reps') else ''), '',
+                    md_table([f"{'wall' if gpu else 'CPU'} time ratio", 'median [min, max]', "median's 95% interval", 'process medians', 'best-of',
                               'x PyTorch loop, both', 'target', ''], trows), '']
     sy = res.get('syncs')
     if sy:
@@ -687,7 +735,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--quick', action='store_true', help='a smoke test: 2 repetitions of 1 epoch, one memory repetition')
     p.add_argument('--reps', type=int, default=None, help='timed repetitions (default 41, quick 2)')
-    p.add_argument('--judged-reps', type=int, default=None, help="repetitions of the targets' rows alone, which judge them (default 201, quick 2; 0: the table's)")
+    p.add_argument('--judged-reps', type=int, default=None, help="repetitions of the targets' rows alone, which judge them (default 200, quick 2; 0: the table's)")
+    p.add_argument('--judged-procs', type=int, default=None, help='fresh processes the judged repetitions are shared among (default 5, quick 1)')
+    p.add_argument('--instances', type=int, default=3, help="copies of each judged row, built alike and taken in turn")
+    p.add_argument('--judged-child', type=int, default=None, help=argparse.SUPPRESS) # a judged process: its repetitions, written to --out
+    p.add_argument('--seed', type=int, default=0, help=argparse.SUPPRESS) # ...and the seed of its rows' order
     p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 1: short fits interleaved follow the load more closely)')
     p.add_argument('--parts', default=None, help='default: time,syncs,ops,calls,exact,memory on the CPU; time,syncs,exact on a GPU '
                    "(ATen ops do not depend on the device; memory is measured as the host's resident set)")
@@ -703,13 +755,17 @@ def main(argv=None):
     if gpu and not torch.cuda.is_available(): print(f'--device {a.device}: no CUDA GPU here'); return
     set_threads(1)
     warnings.filterwarnings('ignore')
+    if a.judged_child is not None:
+        a.out.write_text(json.dumps(judged_fits(a.judged_child, a.epochs or 1, a.instances, a.seed)))
+        return
     start = time.perf_counter()
     res = dict(benchmark='peers', machine=machine(), versions=versions(), config=dict(threads=1, quick=a.quick, n_train=N_TRAIN,
                micro_bs=MICRO_BS, accum_bs=ACCUM_BS, device=a.device, gpu=torch.cuda.get_device_name(a.device) if gpu else None),
                skipped={}, name=a.name, note=a.note)
     parts = (a.parts or ('time,syncs,exact' if gpu else 'time,syncs,ops,calls,exact,memory')).split(',')
     if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 41), a.epochs or 1, res['skipped'],
-                                                 (2 if a.quick else 201) if a.judged_reps is None else a.judged_reps)
+                                                 (2 if a.quick else 200) if a.judged_reps is None else a.judged_reps,
+                                                 (1 if a.quick else 5) if a.judged_procs is None else a.judged_procs, a.instances)
     if 'syncs' in parts: res['syncs'] = bench_syncs(res['skipped'])
     if 'ops' in parts: res['ops'] = bench_ops(res['skipped'])
     if 'calls' in parts: res['calls'] = bench_calls(res['skipped'])
