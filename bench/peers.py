@@ -383,15 +383,13 @@ def judged_fits(reps:int, n_epoch:int, instances:int=3, seed:int=0)->dict:
     'samples' in each of 5 processes, for 1% more Python calls and 0.06 more ATen ops a micro-batch, while focused runs put
     single copies of either anywhere from 0.95 to 1.09x another"""
     import random
-    s,skipped,rng,b = Setup(n_epoch=n_epoch),{},random.Random(seed),builders()
+    s,skipped,rng = Setup(n_epoch=n_epoch),{},random.Random(seed)
     names = list(dict.fromkeys(n for pair in TARGETS + CONTROLS for n in pair))
     slots = [(k, j) for k in names for j in range(instances)]
     rng.shuffle(slots)
     built = {}
     for k,j in slots:
-        if k in skipped: continue
-        try: built.setdefault(k, {})[j] = b[k](s)
-        except ImportError as e: skipped[k] = f'{type(e).__name__}: {e}'
+        for r in build([k], s, skipped).values(): built.setdefault(k, {})[j] = r # none where the peer does not import
     copies = {k: [built[k][j] for j in range(instances)] for k in names if k in built}
     for cs in copies.values():
         for r in cs: r.fit() # warm-up
