@@ -14,7 +14,7 @@ from helpers import fastai_own
 
 def fastai_dispatch():
     "fastai's own `Learner.__call__` and `_call_one` for the duration"
-    return fastai_own((Learner, '__call__'), (Learner, '_call_one'))
+    return fastai_own('dispatch')
 
 @contextlib.contextmanager
 def counting_fast_calls():

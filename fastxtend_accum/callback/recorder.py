@@ -5,6 +5,7 @@
 # %% ../../nbs/callback.recorder.ipynb #a1d0e002
 from __future__ import annotations
 from fastai.basics import *
+from ..export import LeftOutOfExport
 
 # %% auto #0
 __all__ = ['DeviceSmoothLoss', 'DeviceAvgLoss', 'RecordOnDevice']
@@ -36,7 +37,7 @@ class DeviceAvgLoss(AvgLoss):
         self.total += to_detach(learn.loss.mean(), cpu=False)*bs
         self.count += bs
 
-class RecordOnDevice(Callback):
+class RecordOnDevice(LeftOutOfExport, Callback):
     "Keep the Recorder's losses on the device while an epoch trains and read them to the host once, at its end: no sync per step"
     order = Recorder.order-1 # before the Recorder: it swaps the losses in before `before_fit`, reads them before `after_train`
     def __init__(self): super().__init__() # no parameters: `RecordOnDevice()`
