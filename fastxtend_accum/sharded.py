@@ -327,7 +327,7 @@ class ShardedTrainer(LeftOutOfExport, Callback):
         self.learn.dls.loaders,self.learn.logger = self.old_dls,self.old_logger
 
     def _wrap_dl(self, dl):
-        try: from fastai.distributed import DistributedDL # imported when first needed (see `on_import`)
+        try: from fastai.distributed import DistributedDL # imported when first needed: it imports Accelerate
         except (ImportError, NameError) as e: raise ImportError(linked("Sharing the data out needs fastai.distributed, which needs "
                                                                 "`pip install accelerate` (or fastxtend_accum[distributed])", 'accelerate')) from e
         return dl if isinstance(dl, DistributedDL) else DistributedDL(dl, device=self.device)

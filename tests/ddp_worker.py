@@ -223,6 +223,18 @@ def run_guest(case, out, rank):
     ga,count = GradientAccumulation(ACCUM_BS, normalize_by='samples'),CountAllReduce()
     trn,val = digits_split()
     learn,calls = digits_learner_on(trn, val, MICRO_BS, cbs=[ga, count]),[0]
+    if case == 'guest_lr_find': # fit, lr_find, fit: fastai's LRFinder saves on process 0 only, and loads with a barrier
+        import fastai.callback.schedule # `Learner.lr_find`
+        learn.path = Path(out)/'lr_find'
+        with learn.no_logging(), learn.no_bar(), learn.distrib_ctx(cpu=True):
+            learn.fit(1)
+            before = [p.detach().clone() for p in learn.model.parameters()]
+            learn.lr_find(num_it=5, show_plot=False)
+            lrs = list(learn.recorder.lrs)
+            after_find = [p.detach().clone() for p in learn.model.parameters()]
+            learn.fit(1)
+        return torch.save(dict(params=[p.detach().clone() for p in learn.model.parameters()], lrs=lrs, before=before,
+                               after_find=after_find), os.path.join(out, f'{case}-rank{rank}.pt'))
     if case == 'guest_subclass':
         class CountsSteps(type(learn)):
             def _step(self): calls[0] += 1; super()._step()

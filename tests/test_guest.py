@@ -211,3 +211,16 @@ def test_two_processes(tmp_path):
         print(f'{case}: max |param diff| vs one process on the global windows {d:.3g}')
         assert d < 1e-10 and r0['n_steps'] == len(ref.recorder.losses), (case, d, r0['n_steps'])
         assert r0['extra'] == r1['extra'] and r0['extra'] > 0, r0['extra']
+
+def test_lr_find_two_processes(tmp_path):
+    "Issue 37: `fit; lr_find; fit` with accumulation under DDP ends (it hung: process 0 alone loaded the weights, at a barrier)"
+    import test_distributed as TD
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
+           f'--master_port={TD.free_port()}', TD.WORKER, str(tmp_path), 'guest_lr_find']
+    res,_ = TD.launch(cmd, tmp_path, ['guest_lr_find'])
+    r0,r1 = res['guest_lr_find']
+    assert TD.max_diff(r0['before'], r0['after_find']) == 0 == TD.max_diff(r1['before'], r1['after_find']) # the weights back
+    assert TD.max_diff(r0['params'], r1['params']) == 0
+    assert len(r0['lrs']) == len(r1['lrs']) == 5 and r0['lrs'] == r1['lrs'] # 5 optimizer steps, the same lrs
+    test_close([b/a for a,b in zip(r0['lrs'], r0['lrs'][1:])], [(10/1e-7)**(1/5)]*4, eps=1e-6) # fastai's exponential schedule
+    assert not list((tmp_path/'lr_find').rglob('*.pth')) # the temporary files removed
