@@ -221,6 +221,6 @@ def test_lr_find_two_processes(tmp_path):
     r0,r1 = res['guest_lr_find']
     assert TD.max_diff(r0['before'], r0['after_find']) == 0 == TD.max_diff(r1['before'], r1['after_find']) # the weights back
     assert TD.max_diff(r0['params'], r1['params']) == 0
-    assert len(r0['lrs']) == len(r1['lrs']) == 5 and r0['lrs'] == r1['lrs'] # 5 optimizer steps, the same lrs
-    test_close([b/a for a,b in zip(r0['lrs'], r0['lrs'][1:])], [(10/1e-7)**(1/5)]*4, eps=1e-6) # fastai's exponential schedule
+    assert len(r0['lrs']) == len(r1['lrs']) == 6 and r0['lrs'] == r1['lrs'] # 6 optimizer steps, the same lrs
+    test_close([b/a for a,b in zip(r0['lrs'], r0['lrs'][1:])], [(10/1e-7)**(1/6)]*5, eps=1e-6) # fastai's exponential schedule
     assert not list((tmp_path/'lr_find').rglob('*.pth')) # the temporary files removed
