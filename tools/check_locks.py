@@ -1,4 +1,4 @@
-"""`make check-locks`: the locks in `requirements/` resolve from plain PyPI once torch is installed (`make test` runs it).
+"""`make check-locks`: the locks in `requirements/` resolve from plain PyPI once torch is installed (`make test` runs `--quick`: every pin listed on PyPI).
 
 This machine's pip finds a folder of wheels and extra local indexes (its configuration), so `make env` passing here
 proves nothing about a contributor's machine, where pip sees PyPI alone: a pin PyPI lacks (`torch==2.13.0+cpu`) fails
@@ -94,7 +94,29 @@ def torch_on_pypi()->list[str]:
         if not m or v not in [s.strip() for s in m[1].split(',')]: bad.append(f'{n}=={v}: not on PyPI ({out.strip()[:300]})')
     return bad
 
-def main(force:bool=False):
+def listed(name:str, versions:set)->list[str]:
+    "What of `versions` of `name` PyPI does not list (its simple index, PEP 700's `versions`)"
+    import urllib.request
+    req = urllib.request.Request(f'{PYPI}/{name}/', headers={'Accept': 'application/vnd.pypi.simple.v1+json'})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r: vs = json.loads(r.read())['versions']
+    except Exception as e: return [f'{name}: {e}']
+    return [f'{name}=={v}: not on PyPI, which lists {len(vs)} other versions' for v in sorted(versions) if v not in vs]
+
+def quick()->list[str]:
+    "Every pin of every lock and of torch.txt listed on plain PyPI: one request per package, 16 at a time (nothing downloaded)"
+    from concurrent.futures import ThreadPoolExecutor
+    want = {}
+    for f in sorted(REQ.glob('*.lock')) + [REQ/'torch.txt']:
+        for n,v in pins(f).items(): want.setdefault(n, set()).add(v)
+    with ThreadPoolExecutor(16) as ex: return sum(ex.map(lambda nv: listed(*nv), sorted(want.items())), [])
+
+def main(force:bool=False, quick_only:bool=False):
+    if quick_only:
+        t0,fails = time.time(),quick()
+        if fails: sys.exit('check-locks --quick: pins PyPI does not list:\n' + '\n'.join(fails))
+        return print(f'check-locks --quick: every pin of requirements/ is on {PYPI} ({time.time()-t0:.0f} s); '
+                     '`make check-locks` resolves each lock from it in full')
     venvs = sorted({ROOT/v for _,v,_ in CHECKS.values()})
     stamp = CACHE/key(venvs)
     if stamp.exists() and not force:
@@ -120,4 +142,5 @@ def main(force:bool=False):
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--force', action='store_true', help='check even where these locks passed before')
+    p.add_argument('--quick', dest='quick_only', action='store_true', help='only that PyPI lists every pin (what `make test` runs)')
     main(**vars(p.parse_args()))
