@@ -431,9 +431,10 @@ def test_ddp_two_processes(tmp_path):
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU: a real out-of-memory error')
 WIDTH = 2**20 # 4 MiB of float32 per sample per hidden activation: activations dominate memory
-# Under fp16, the first layer's 16-bit weight copy, its 16-bit gradient and that gradient's float32 cast are alive at the peak
-# whatever the batch: with 64 inputs (192 MiB of them) they set a peak flat from 1 to 64 samples, and no cap parts 16 from 32
-# (test_oom_retry.py measures it on the CPU). With 8 inputs the activations set the peak under fp16 too.
+# Under fp16 the first layer's 16-bit weight gradient and its float32 cast are alive together in its backward,
+# whatever the batch: with 64 inputs (128 + 256 MiB) they set a peak flat from 1 to 64 samples, so the slope `per` was 0 and
+# the cap had no room for anything the fit adds: 'auto' failed down to 1 sample (test_oom_retry.py measures it on the CPU).
+# With 8 inputs the activations set the peak under fp16 too (4 MiB a sample).
 AMP_IN = 8
 
 def wide_mlp(n_in=64, width=WIDTH, device='cuda'):

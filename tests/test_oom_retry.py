@@ -76,9 +76,9 @@ def test_failed_attempt_leaves_nothing(amp, where):
 
 def test_gpu_test_cap_separates_16_from_32_under_16bit():
     """The GPU test of a real OOM under fp16 (`test_gpu_real_oom_mixed_precision`) caps memory at base + 1.5*16*per (per: the
-    slope of the peak between 4 and 8 samples). Under 16-bit autocast, with 64 inputs, the peak is set by the first layer's
-    16-bit weight copy, its 16-bit gradient and that gradient's float32 cast: the same for 1 to 64 samples, so per was 0 and the
-    cap had no room for a single sample of what the fit adds. Measured here on the CPU (bf16, the size of fp16) at 1/16th width"""
+    slope of the peak between 4 and 8 samples). Under 16-bit autocast, with 64 inputs, the peak is the first layer's 16-bit
+    weight gradient and its float32 cast (for the float32 `.grad`), alive together in its backward: the same for 1 to 64 samples, so per was 0
+    and the cap had no room for anything the fit adds. Measured here on the CPU (bf16, the size of fp16) at 1/16th width"""
     model = wide_mlp(n_in=AMP_IN, width=2**16, device='cpu')
     def peak(n):
         x,y = torch.randn(n, AMP_IN),torch.randint(0, 10, (n,))
