@@ -12,19 +12,26 @@ reads made inside `torch/optim/` are kept apart, in `host_reads`, not counted as
     with SyncCounter() as c: train()
     c.total, c.by_kind, c.by_site   # counts, per kind, per (kind, first frame outside torch)
 
+`SyncCounter(copies=True)` also counts blocking copies to the device: `Tensor.to`/`.cuda()` with `non_blocking=False` that
+name a device (a tensor's or a string) of another type than the source, and `copy_` between devices (kind 'blocking copy to
+device'). With no GPU in the process the host stands for the device: a `.to(device)` that names the CPU, from a host tensor, is
+counted (fastai's loader's `to_device(b, 'cpu')`), as it would be a host-to-device copy that waits on a GPU; a copy of what
+such a copy gave (fastai's `Learner._set_device` after its loader's) is not, as the tensor is on the device already. These are counted
+while paused too: a loader's copy of its batch to the device is not host work.
+
 On a GPU, `SyncCounter(cuda=True)` also counts the syncs CUDA itself reports (`torch.cuda.set_sync_debug_mode('warn')`: a
 warning at each synchronizing call, a host copy of a batch to the device included) in `c.cuda_by_site`, paused alike: a check
 of the counts above that does not depend on knowing which calls sync.
 """
 from __future__ import annotations
-import os, sys, warnings
+import os, sys, warnings, weakref
 from collections import Counter
 from contextlib import contextmanager
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ['SyncCounter', 'pause_loader', 'paused_iter', 'SYNC_OPS', 'HOST_COPIES']
+__all__ = ['SyncCounter', 'pause_loader', 'paused_iter', 'SYNC_OPS', 'HOST_COPIES', 'blocking_copy']
 
 _aten = torch.ops.aten
 SYNC_OPS = {_aten._local_scalar_dense.default: 'item/bool/float', _aten.is_nonzero.default: 'is_nonzero',
@@ -47,6 +54,35 @@ def _site(f)->str:
     parts = f.f_code.co_filename.replace('\\', '/').split('/')
     return f"{'/'.join(parts[-2:])}:{f.f_lineno} ({f.f_code.co_name})"
 
+COPY = 'blocking copy to device'
+
+def _device_of(o):
+    if isinstance(o, torch.Tensor): return o.device
+    if isinstance(o, (torch.device, str)):
+        try: return torch.device(o)
+        except RuntimeError: return None
+    if isinstance(o, int) and not isinstance(o, bool): return torch.device('cuda', o)
+    return None
+
+def blocking_copy(func, args, kwargs, host_is_device:bool)->bool:
+    "Whether `Tensor.to`/`.cuda`/`.copy_` called with `args`, `kwargs` is a copy to another device that blocks the host"
+    src = args[0] if args else None
+    if not isinstance(src, torch.Tensor): return False
+    bools = [a for a in args[1:] if isinstance(a, bool)]
+    if kwargs.get('non_blocking', bools[0] if bools else False): return False
+    if func is torch.Tensor.copy_:
+        other = args[1] if len(args) > 1 else kwargs.get('src')
+        return isinstance(other, torch.Tensor) and other.device.type != src.device.type
+    if func is torch.Tensor.cuda: return src.device.type != 'cuda'
+    cands = [kwargs.get('device'), *(a for a in args[1:] if not isinstance(a, bool))]
+    devs = [d for d in map(_device_of, cands) if d is not None]
+    if not devs: return False # a dtype or memory-format change
+    if devs[0].type != src.device.type: return True
+    # no GPU in the process: the host stands for the device (a `.to(tensor)` only changes the dtype: not counted)
+    return host_is_device and src.device.type == 'cpu' and not isinstance(cands[0] if cands[0] is not None else args[1], torch.Tensor)
+
+_COPY_FUNCS = (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_)
+
 class _Dispatch(TorchDispatchMode):
     def __init__(self, owner): super().__init__(); self.owner = owner
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -60,13 +96,26 @@ class _Function(TorchFunctionMode):
         kwargs = kwargs or {}
         kind = HOST_COPIES.get(func)
         if kind is not None: self.owner._count(kind)
+        elif self.owner.copies and func in _COPY_FUNCS and blocking_copy(func, args, kwargs, self.owner.host_is_device):
+            moved = self.owner._moved
+            if self.owner.host_is_device and (r := moved.get(id(args[0]))) is not None and r() is args[0]:
+                return func(*args, **kwargs) # on the device already
+            self.owner._count(COPY, paused_too=True)
+            out = func(*args, **kwargs)
+            if self.owner.host_is_device and isinstance(out, torch.Tensor):
+                moved[id(out)] = weakref.ref(out, lambda _, k=id(out): moved.pop(k, None))
+            return out
         return func(*args, **kwargs)
 
 class SyncCounter:
     "Count the syncs a block of code would make with its tensors on a GPU (see the module's docstring)"
-    def __init__(self, cuda:bool=False): self.by_site,self.host_reads,self.cuda_by_site,self.cuda,self._paused = Counter(),Counter(),Counter(),cuda,0
-    def _count(self, kind):
-        if self._paused: return
+    def __init__(self, cuda:bool=False, copies:bool=False, host_is_device:bool|None=None):
+        self.by_site,self.host_reads,self.cuda_by_site,self.cuda,self._paused = Counter(),Counter(),Counter(),cuda,0
+        self.copies = copies # count blocking copies to the device (see the module's docstring)
+        self.host_is_device = (not torch.cuda.is_available()) if host_is_device is None else host_is_device
+        self._moved = {} # id -> weakref; host standing for the device: what a counted copy gave, now 'on the device'
+    def _count(self, kind, paused_too:bool=False):
+        if self._paused and not paused_too: return
         f = sys._getframe(2)
         if _in_optim(f): self.host_reads[kind] += 1
         else: self.by_site[(kind, _site(f))] += 1
@@ -123,3 +172,64 @@ def pause_loader(dl, counter:SyncCounter):
     cls = type(dl)
     dl.__class__ = type(cls.__name__, (cls,), {'__iter__': lambda self: paused_iter(lambda: cls.__iter__(self), counter)})
     return dl
+
+# --- syncs per optimizer step of each way to train, before and after the training loader's copies go non-blocking ---
+
+def _learner(kind:str, non_blocking:bool):
+    "A fastai Learner on 256 random samples, steps of 64 (4 micro-batches of 16); `non_blocking`: the loader's copies pinned, non-blocking"
+    from functools import partial
+    from torch import nn
+    from fastai.basics import Learner, DataLoaders, noop
+    from fastai.callback.progress import ProgressCallback
+    from fastai.callback.training import GradientAccumulation as FastaiGA
+    from fastxtend_accum.all import GradientAccumulation, GradientAccumulationSchedule, MicroBatching, RecordOnDevice
+    from fastxtend_accum.transfer import to_device_non_blocking
+    g = torch.Generator().manual_seed(0)
+    x,y = torch.randn(256, 8, generator=g),torch.randint(0, 3, (256,), generator=g)
+    cbs,bs = {'fastai alone': ([], 16), "fastai's GA": ([FastaiGA(64)], 16), 'GA': ([GradientAccumulation(64)], 16),
+              'GA + RecordOnDevice': ([GradientAccumulation(64), RecordOnDevice()], 16),
+              'schedule': ([GradientAccumulationSchedule(64, 64)], 16),
+              'schedule + RecordOnDevice': ([GradientAccumulationSchedule(64, 64), RecordOnDevice()], 16),
+              'MicroBatching': ([MicroBatching(16, verbose=False)], 64),
+              'MicroBatching + RecordOnDevice': ([MicroBatching(16, verbose=False), RecordOnDevice()], 64)}[kind]
+    dev = 'cuda' if torch.cuda.is_available() else 'cpu'
+    dls = DataLoaders.from_dsets(list(zip(x, y)), [], bs=bs, num_workers=0, device=dev)
+    learn = Learner(dls, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).to(dev), loss_func=nn.CrossEntropyLoss(), cbs=cbs)
+    learn.remove_cb(ProgressCallback); learn.logger = noop
+    if non_blocking: # what a take-over of the accumulating fit's loader would do: host batches, moved by `to_device_non_blocking`
+        learn.dls.train.device = None
+        learn._set_device = partial(to_device_non_blocking, learn)
+    return learn
+
+def per_step(learn, steps_per_epoch:int):
+    "Syncs (host reads and blocking copies to the device) per optimizer step: a 2-epoch fit's over a 1-epoch fit's, after a warm-up fit"
+    learn.fit(1)
+    cs = []
+    for n in (1, 2):
+        c = SyncCounter(copies=True)
+        for dl in learn.dls.loaders: pause_loader(dl, c)
+        with c: learn.fit(n)
+        cs.append(c)
+    d = lambda f: (f(cs[1])-f(cs[0]))/steps_per_epoch
+    return d(lambda c: c.total),d(lambda c: c.by_kind[COPY]),cs[1]
+
+KINDS = ['fastai alone', "fastai's GA", 'GA', 'GA + RecordOnDevice', 'schedule', 'schedule + RecordOnDevice', 'MicroBatching',
+         'MicroBatching + RecordOnDevice']
+
+def main():
+    torch.manual_seed(0)
+    rows = []
+    for kind in KINDS:
+        steps = 16 if kind == 'fastai alone' else 4 # an epoch of 256 samples: steps of 16 alone, of 64 otherwise
+        (b,bc,_),(a,ac,_) = per_step(_learner(kind, False), steps),per_step(_learner(kind, True), steps)
+        rows.append([kind, f'{b:.2f}', f'{bc:.2f}', f'{a:.2f}', f'{ac:.2f}'])
+    dev = 'a GPU' if torch.cuda.is_available() else 'the CPU (the host standing for the device)'
+    print(f"Host syncs per optimizer step (4 micro-batches of 16 a step; fastai alone: a step per micro-batch), counted on {dev};")
+    print("before: fastai's loader copies each batch with non_blocking=False; after: pinned, non_blocking (fastxtend_accum.transfer)")
+    w = max(len(r[0]) for r in rows)
+    print(f"{'':{w}}  {'before':>7} {'copies':>7}  {'after':>7} {'copies':>7}")
+    for r in rows: print(f"{r[0]:{w}}  {r[1]:>7} {r[2]:>7}  {r[3]:>7} {r[4]:>7}")
+
+if __name__ == '__main__':
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()

@@ -147,3 +147,21 @@ def test_profile_runs(tmp_path):
     assert "identical parameters (bitwise) in all: True; identical Recorder losses, lrs, values and iters: True" in text
     assert "fastai's event dispatch (Learner.__call__/_call_one)" in text and "fastai's _set_device" in text
     assert "fastai's do_item for each sample" in text and "fastai's retain for each batch" in text
+
+def test_realmodel_quick(tmp_path):
+    """`bench/realmodel.py --quick`: a transformer LM and a GroupNorm CNN, every way to train with both optimizers, 3 passes;
+    on the CPU its targets print as 'not judged on CPU' and its results are named after the device"""
+    env = dict(os.environ, PYTHONWARNINGS='ignore', OMP_NUM_THREADS='1')
+    p = subprocess.run([sys.executable, str(BENCH/'realmodel.py'), '--quick', '--out', str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads((tmp_path/'realmodel_cpu.json').read_text())
+    assert data['device'] == 'cpu' and not data['amp'] and data['passes'] >= 3 and data['targets_met'] is None
+    for key in ('lm', 'cnn'):
+        m = data['models'][key]
+        assert len(m['variants']) == 12 # 6 ways to train x 2 optimizers
+        times = [r for r in m['ratios'] if r['measure'] == 'time per sample']
+        assert len(times) == 10 and all(len(r['values']) == 3 and r['target'] is None for r in times)
+        assert {r['reference'] for r in times} == {'loop (fastai Adam)', 'loop (torch AdamW)'}
+    assert p.stdout.count('not judged on CPU') == 20
+    assert (tmp_path/'realmodel_cpu.md').read_text().startswith('## Real models on cpu')

@@ -161,3 +161,45 @@ def test_cuda_reports_counted_where_asked_for(monkeypatch):
     (site,) = c.cuda_by_site
     assert 'test_syncs.py' in site and 'synchronizing' in site, site
     assert [str(w.message) for w in shown] == ['something else']
+
+# --- blocking copies to the device (`SyncCounter(copies=True)`) and the training loader's copies made non-blocking ---
+
+def test_blocking_copy_rule():
+    "Which `Tensor.to`/`.cuda`/`.copy_` calls block the host (on a GPU machine; then with the host standing for the device)"
+    from syncs import blocking_copy
+    t,T = torch.zeros(2),torch.Tensor
+    gpu = dict(host_is_device=False)
+    assert blocking_copy(T.to, (t, 'cuda'), {}, **gpu) and blocking_copy(T.to, (t,), {'device': torch.device('cuda', 0)}, **gpu)
+    assert blocking_copy(T.to, (t, 'cuda', torch.float16), {}, **gpu) and blocking_copy(T.cuda, (t,), {}, **gpu)
+    assert not blocking_copy(T.to, (t, 'cuda'), {'non_blocking': True}, **gpu) and not blocking_copy(T.to, (t, 'cuda', torch.float16, True), {}, **gpu)
+    assert not blocking_copy(T.to, (t, torch.float16), {}, **gpu) and not blocking_copy(T.to, (t, 'cpu'), {}, **gpu) # dtype; no move
+    assert not blocking_copy(T.copy_, (t, torch.ones(2)), {}, **gpu) and not blocking_copy(T.cuda, (t,), {'non_blocking': True}, **gpu)
+    cpu = dict(host_is_device=True) # no GPU: a named device of a host tensor is the device
+    assert blocking_copy(T.to, (t, 'cpu'), {}, **cpu) and blocking_copy(T.to, (t,), {'device': 'cpu'}, **cpu)
+    assert not blocking_copy(T.to, (t, torch.ones(1, dtype=torch.float64)), {}, **cpu) # `.to(other)`: a dtype change here
+    assert not blocking_copy(T.to, (t, 'cpu'), {'non_blocking': True}, **cpu)
+
+def test_copies_counted_while_paused_once_per_tensor():
+    "A loader's copy to the device is counted while paused (it is no host work); a copy of what one gave is not (on the device)"
+    from syncs import COPY
+    t = torch.zeros(3)
+    with SyncCounter(copies=True, host_is_device=True) as c:
+        with c.paused(): u = t.to('cpu'); t.tolist()
+        u.to('cpu') # fastai's `_set_device` after its loader's copy: already on the device
+        t.to('cpu', non_blocking=True)
+    assert c.by_kind == {COPY: 1}, c.report()
+    with SyncCounter() as c: t.to('cpu') # not asked for: not counted
+    assert c.total == 0
+
+@pytest.mark.parametrize('kind', ['GA', 'schedule', 'MicroBatching'])
+def test_loader_copies_per_step_before_and_after(kind):
+    """fastai's loader copies each micro-batch's x and y with `non_blocking=False`: 2 blocking copies a micro-batch (8 a step of 4;
+    MicroBatching's loader yields the whole batch: 2). Moved by `to_device_non_blocking` instead: none, and at most one sync a
+    step is left (fastai's Recorder), none with RecordOnDevice (one an epoch)"""
+    from syncs import _learner, per_step
+    n,copies,c = per_step(_learner(kind, False), 4)
+    assert copies == (2 if kind == 'MicroBatching' else 8), c.report()
+    n,copies,c = per_step(_learner(kind, True), 4)
+    assert copies == 0 and n <= 1 + 1/4, c.report()
+    n,copies,c = per_step(_learner(f'{kind} + RecordOnDevice', True), 4)
+    assert copies == 0 and n == 1/4, c.report() # the epoch's records, read once

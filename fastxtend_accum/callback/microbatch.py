@@ -221,6 +221,8 @@ class MicroBatching(BatchSplitter):
         had_oom,self._autocast_open = False,self._mp is not None # `MixedPrecision.before_batch` opened autocast
         while True:
             sizes = self._split(n)
+            a = self._auto # 'auto' keeps each micro-batch's count for the epoch's check: a failed attempt's go with it
+            seen = (list(a.seen),a.expected,a.total) if a is not None else None
             try: res = self._micro_batches(xb, yb, sizes)
             except torch.OutOfMemoryError:
                 if isinstance(self.micro_bs, int): self._abandon(); raise # a size the user chose: their error to see
@@ -228,9 +230,11 @@ class MicroBatching(BatchSplitter):
             except BaseException: self._abandon(); raise # a batch cancelled mid-way leaves no gradients behind
             if self._all_fit(res is not None, n, sizes): break
             res,had_oom = None,True
+            if seen is not None: a.seen,a.expected,a.total = seen
             learn.xb,learn.yb,learn.pred,learn.loss,learn.loss_grad = xb,yb,None,None,None
             self._abandon(free=True)
             self._shrink(n, max(sizes))
+            if self._mp is not None: self._mp.autocast.__enter__(); self._autocast_open = True # as `before_batch` left it, its cache empty
         preds,learn.loss,w = res
         learn.xb,learn.yb = xb,yb
         learn.pred = (preds[0] if len(preds) == 1 else to_concat(preds)) if self.keep_pred else None
