@@ -48,7 +48,7 @@ def atomic_save(obj, # What torch.save writes
         os_err = next((c for c in _chain(e) if isinstance(c, OSError) and c.errno), None)
         why = (f"{os_err.strerror} ({errno.errorcode.get(os_err.errno, os_err.errno)})" if os_err is not None
                else f"{type(e).__name__}: {e}")
-        raise CheckpointError(f"Could not write the checkpoint {path}: {why}. The previous checkpoint, if any, is kept") from e
+        raise CheckpointError(linked(f"Could not write the checkpoint {path}: {why}. The previous checkpoint, if any, is kept", 'resume')) from e
     finally:
         if tmp.exists(): tmp.unlink()
 
@@ -78,8 +78,8 @@ def read_checkpoint(path:Path|str, # A file `save_checkpoint` wrote
                    )->dict:
     "The checkpoint in `path`, checked whole: a `CheckpointError` that says whether it is truncated, corrupted or of another version"
     path = Path(path)
-    def fail(why, e=None): raise CheckpointError(f"Cannot resume from {path}: {why}. Remove it (or pass resume=False) to train from "
-                                                 "the start") from e
+    def fail(why, e=None): raise CheckpointError(linked(f"Cannot resume from {path}: {why}. Remove it (or pass resume=False) to train "
+                                                 "from the start", 'resume')) from e
     try: ck = torch.load(path, map_location='cpu', weights_only=False)
     except FileNotFoundError: raise
     except Exception as e:
@@ -199,7 +199,7 @@ class ResumeCheckpoint(Callback):
         if _world() > 1: # one decision, rank 0's, for every process (it alone writes the file)
             box = [plan]; dist.broadcast_object_list(box, src=0); plan = box[0]
         what,arg = plan
-        if what == 'error': raise raised_everywhere(CheckpointError(arg) if arg.startswith('Cannot resume') else ValueError(arg))
+        if what == 'error': raise raised_everywhere(arg) # the same error on every process: none waits for another
         if what == 'fresh': return
         ck = arg
         self.records = ck['fits'][:k] + [record]
@@ -216,18 +216,18 @@ class ResumeCheckpoint(Callback):
         self.learn.add_cb(_SkipDone(self.start)) # fastai's `start_epoch`: skipped after every callback's `before_epoch`
 
     def _plan(self, k:int, record:dict)->tuple:
-        "Rank 0's decision: ('fresh', None), ('resume', checkpoint) or ('error', message)"
+        "Rank 0's decision: ('fresh', None), ('resume', checkpoint) or ('error', the exception every process raises)"
         for t in _tmp_files(self.file): t.unlink(missing_ok=True) # a write that was killed half-way
         if not self.resume or not self.file.exists(): return 'fresh',None
         try: ck = read_checkpoint(self.file)
-        except CheckpointError as e: return 'error',str(e)
+        except CheckpointError as e: return 'error',e
         if self.run_id is not None and ck['run_id'] != self.run_id:
-            return 'error',linked(f"{self.file} holds run {ck['run_id']!r}, and this is run {self.run_id!r}. Pass another fname, or "
-                                  "remove the file", 'resume')
+            return 'error',ValueError(linked(f"{self.file} holds run {ck['run_id']!r}, and this is run {self.run_id!r}. Pass another "
+                                  "fname, or remove the file", 'resume'))
         if ck['fit'] < k: return 'fresh',None # a fit after the checkpoint's (one session, several fits): it starts anew
         diffs = record_differences(ck['fits'][k], record, self.ignore)
-        if diffs: return 'error',linked(f"{self.file} was saved by another run than this fit (fit {k} of its session): "
-            f"{'; '.join(diffs)}. Resume with the same settings, or pass resume=False (or remove the file)", 'resume')
+        if diffs: return 'error',ValueError(linked(f"{self.file} was saved by another run than this fit (fit {k} of its session): "
+            f"{'; '.join(diffs)}. Resume with the same settings, or pass resume=False (or remove the file)", 'resume'))
         return 'resume',ck
 
     def after_fit(self):
