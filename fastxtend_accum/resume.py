@@ -179,7 +179,7 @@ class ResumeCheckpoint(Callback):
         ignore:tuple=(), # Keys of `run_record` not compared on resume (e.g. 'versions')
     ):
         store_attr()
-        self.i_fit,self.records = 0,[] # this callback's training fits so far (the fit index), and their `run_record`s
+        self.i_fit,self.records = 0,[] # this callback's training fits done (the next fit's index), and their `run_record`s
 
     @property
     def file(self)->Path:
@@ -192,8 +192,7 @@ class ResumeCheckpoint(Callback):
         # `lr_find`'s fit is no training, and `validate`/`get_preds` fire `before_fit` too (holding the Learner's lock): neither loads nor saves
         self.start,self.skip = 0,hasattr(self.learn, 'lr_finder') or self.learn.lock.locked()
         if self.skip: return
-        k,record = self.i_fit,run_record(self.learn)
-        self.i_fit += 1
+        k,record = self.i_fit,run_record(self.learn) # a fit that raised keeps its index: the next one resumes it
         self.records = self.records[:k] + [record]
         plan = self._plan(k, record) if _rank() == 0 else None
         if _world() > 1: # one decision, rank 0's, for every process (it alone writes the file)
@@ -231,7 +230,8 @@ class ResumeCheckpoint(Callback):
         return 'resume',ck
 
     def after_fit(self):
-        "Take the epoch-skipping callback off again"
+        "The fit is done (ended, or cancelled: fastai's `after_fit`): the next one is a new fit. Take the epoch-skipping callback off again"
+        if not self.skip: self.i_fit += 1
         self._remove_skip()
     def _remove_skip(self): self.learn.remove_cbs([cb for cb in self.learn.cbs if isinstance(cb, _SkipDone)])
 
@@ -241,7 +241,7 @@ class ResumeCheckpoint(Callback):
         if sharding_engine(self.model) is not None: raise NotImplementedError(linked("ResumeCheckpoint does not save sharded (FSDP) "
             "models: save them with `learn.save(..., with_opt=True)` (see `sharded`)", 'resume'))
         opt = self.opt.state_dict() if self.opt is not None else None
-        save_checkpoint(dict(format=FORMAT, run_id=self.run_id, fit=self.i_fit-1, fits=self.records, versions=self.records[-1]['versions'],
+        save_checkpoint(dict(format=FORMAT, run_id=self.run_id, fit=self.i_fit, fits=self.records, versions=self.records[-1]['versions'],
                              model=_plain(self.model).state_dict(), opt=opt, shuffle=_shuffle_source(self.dls.train).rng.getstate(),
                              random=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
                              epoch=self.epoch, n_epoch=self.n_epoch, train_iter=self.train_iter), self.file)

@@ -119,3 +119,26 @@ def test_a_killed_writes_temporary_file_goes_at_the_next_start(tmp_path):
     left.write_bytes(b'PK\x03\x04 half a checkpoint')
     with learn.no_logging(), learn.no_bar(): learn.fit(1)
     assert sorted(p.name for p in (tmp_path/'models').iterdir()) == ['run.pth']
+
+def test_a_fit_that_raised_is_resumed_by_the_next_one_in_the_session(tmp_path):
+    "In one session (a notebook): a fit that raised mid-epoch is the one the next fit resumes, exactly; a fit that ended is not"
+    from fastai.basics import Learner, nn, Callback
+    from fastxtend_accum.all import GradientAccumulation
+    from fastxtend_accum.resume import ResumeCheckpoint
+    from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss, max_param_diff
+    class FailOnce(Callback):
+        def __init__(self): self.armed = True
+        def before_batch(self):
+            if self.armed and self.training and self.epoch == 2 and self.iter == 3: self.armed = False; raise KeyboardInterrupt()
+    def learner(path, *cbs):
+        return Learner(digits_default_dls(16), digits_mlp(), loss_func=nn.CrossEntropyLoss(), path=path,
+                       cbs=[Float64SmoothLoss(), GradientAccumulation(64), ResumeCheckpoint('run'), *cbs])
+    whole = learner(tmp_path/'whole')
+    with whole.no_logging(), whole.no_bar(): whole.fit_one_cycle(4, 1e-2)
+    learn = learner(tmp_path/'cut', FailOnce())
+    with learn.no_logging(), learn.no_bar():
+        with pytest.raises(KeyboardInterrupt): learn.fit_one_cycle(4, 1e-2)
+        learn.fit_one_cycle(4, 1e-2)
+    d = max_param_diff(whole, learn)
+    print(f'a fit interrupted in epoch 2 and run again in the same session: max |param diff| from the uninterrupted fit {d:.2g}')
+    assert d < 1e-12
