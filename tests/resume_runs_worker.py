@@ -13,6 +13,7 @@ also writes `OUT/TAG-CASE.pt` with the weights."""
 import json, os, sys, time
 import torch, torch.nn as nn, torch.distributed as dist
 from fastai.basics import *
+import fastai.callback.schedule # noqa: F401 (fit_one_cycle, fine_tune: the library need not import it)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -123,6 +123,7 @@ def test_a_killed_writes_temporary_file_goes_at_the_next_start(tmp_path):
 def test_a_fit_that_raised_is_resumed_by_the_next_one_in_the_session(tmp_path):
     "In one session (a notebook): a fit that raised mid-epoch is the one the next fit resumes, exactly; a fit that ended is not"
     from fastai.basics import Learner, nn, Callback
+    import fastai.callback.schedule # noqa: F401 (fit_one_cycle: the library need not import it)
     from fastxtend_accum.all import GradientAccumulation
     from fastxtend_accum.resume import ResumeCheckpoint
     from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss, max_param_diff
