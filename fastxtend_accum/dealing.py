@@ -9,14 +9,14 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler
 from fastai.basics import *
 from .distributed import split_loader
-from .window import raised_everywhere
+from .window import raised_everywhere, ProcessesDisagree
 try: from fastai.distributed import DistributedDL
 except ImportError: DistributedDL = None # fastai.distributed needs accelerate: without it there is no `distrib_ctx` either
 from .messages import warn, linked
 
 # %% auto #0
 __all__ = ['dealt_order', 'dealt_sizes', 'WindowDealer', 'WindowDealtDL', 'WindowDealtSampler', 'deals_sampler',
-           'window_dealt_loader', 'deal_windows']
+           'window_dealt_loader', 'agree_processes', 'deal_windows']
 
 # %% ../nbs/dealing.ipynb #a1423cf9
 def dealt_order(order:list, # The sample order of the epoch over all processes (as one process has it)
@@ -172,12 +172,33 @@ def _still_copies(copy, # A loader window_dealt_loader made
                     for a,b in zip(_loader_args(copy).values(), _loader_args(dl).values())))
 
 
+# %% ../nbs/dealing.ipynb #a37dea01
+def agree_processes(cb, # A GradientAccumulation (or a subclass) training over several processes
+                    dl, # The training loader, as the epoch starts
+                   ):
+    "Before the epoch's first collective that depends on them: the processes' accum_bs, samples, micro-batch size and drop_last, compared in one all-reduce; every process raises `ProcessesDisagree` naming what differs"
+    inner = split_loader(dl)
+    if inner is not None: n,bs,drop = inner.n,inner.bs,inner.drop_last
+    elif deals_sampler(dl): n,bs,drop = len(dl.sampler.dataset),dl.batch_size,dl.drop_last
+    else: return
+    vals = {'accum_bs': cb.accum_bs if isinstance(cb.accum_bs, int) else -1, 'training samples': n, 'micro-batch size (bs)': bs,
+            'drop_last': int(bool(drop))}
+    world,rank = dist.get_world_size(),dist.get_rank()
+    dev = torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
+    v = torch.zeros(len(vals), world, dtype=torch.int64, device=dev)
+    v[:,rank] = torch.tensor([int(x) for x in vals.values()])
+    dist.all_reduce(v) # 4 integers per process, once per epoch
+    diffs = [f"{k} " + ', '.join(f'{x} on process {r}' for r,x in enumerate(row)) for k,row in zip(vals, v.tolist()) if len(set(row)) > 1]
+    if diffs: raise ProcessesDisagree(linked(f"The processes train with different settings, so their windows and collectives would "
+        f"differ: {'; '.join(diffs)}. Run the same script on the same data on every process", 'loaders-differ'))
+
 # %% ../nbs/dealing.ipynb #0aa89ffc
 def deal_windows(cb, # A GradientAccumulation (or a subclass)
                 ):
     "At `before_train`: with `global_bs=True` over several processes, deal the training loader's order window by window"
     if not (cb.global_bs and getattr(cb, 'deal_windows', True) and cb.windows.world_size > 1): return
     dl = cb.learn.dl
+    agree_processes(cb, dl) # before the dealt order's broadcast, whose length they must agree on
     if isinstance(dl, WindowDealtDL): dl.dealer.cb = cb; return
     inner = split_loader(dl)
     if inner is not None and DistributedDL is not None:

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from .messages import linked
 
 # %% auto #0
-__all__ = ['FAILED_KEY', 'GRACE_S', 'PeerProcessFailed', 'describe', 'failed_key', 'failed_processes', 'keep_group', 'stop_peers']
+__all__ = ['FAILED_KEY', 'GRACE_S', 'LOST_KEY', 'REPORT_S', 'PeerProcessFailed', 'describe', 'failed_key', 'failed_processes',
+           'keep_group', 'stop_peers']
 
 # %% ../nbs/failfast.ipynb #148db410
 FAILED_KEY = 'fastxtend_accum/failed/' # + '<rank>/<n>': "ExcType: message" of the n-th fit that raised on process <rank>
@@ -60,6 +61,23 @@ def _all_failed(store, world:int, rank:int, n:int)->bool:
     "Whether every other process's `n`-th failing fit raised too, within `GRACE_S` seconds (then no process waits for another)"
     return _wait(store, [failed_key(r, n) for r in range(world) if r != rank], GRACE_S)
 
+LOST_KEY = 'fastxtend_accum/lost/' # + '<rank>/<n>': the collective error of a process that found no peer's report
+REPORT_S = 3. # seconds a process whose collective failed waits for the report of the process that failed first
+
+def _reports(store, world:int, rank:int, n:int, seconds:float)->tuple[dict,set]:
+    "Within `seconds`: the first failures reported by other processes (by rank), and the ranks that reported a lost collective"
+    import time
+    end = time.monotonic() + seconds
+    while True:
+        first = failed_processes(store, world, rank, n)
+        lost = {r for r in range(world) if r != rank and _has(store, f'{LOST_KEY}{r}/{n}')}
+        if first or time.monotonic() > end or len(lost) == world-1: return first,lost
+        time.sleep(0.1)
+
+def _has(store, key:str)->bool:
+    try: return store.check([key])
+    except Exception: return False
+
 _kept_groups = 0 # `keep_group` blocks entered
 
 @contextlib.contextmanager
@@ -81,13 +99,22 @@ def stop_peers(exc:BaseException, # The error the fit raised on this process
     _n_failed += 1
     try: store = dist.distributed_c10d._get_default_store()
     except Exception: store = None
-    first = failed_processes(store, world, rank, n) if store is not None and _collective_error(exc) else {}
-    if not first and store is not None:
+    first,lost,silent = {},set(),[]
+    if store is not None and _collective_error(exc): # a peer left: the process that failed first says why, if it can
+        first,lost = _reports(store, world, rank, n, REPORT_S)
+        if not first: # none did (killed, or crashed outside Python): the processes that reported nothing are the suspects
+            with contextlib.suppress(Exception): store.set(f'{LOST_KEY}{rank}/{n}', describe(exc))
+            first,lost = _reports(store, world, rank, n, REPORT_S)
+            silent = [r for r in range(world) if r != rank and r not in lost and r not in first]
+    if not first and not silent and store is not None:
         with contextlib.suppress(Exception): store.set(failed_key(rank, n), describe(exc))
         if _all_failed(store, world, rank, n): return None # an error every process raised: each raises its own, the group stays
     _kept.append(store)
     with contextlib.suppress(Exception): dist.destroy_process_group() # gloo closes its connections: peers' collectives raise
-    if not first: return None
-    why = '; '.join(f'process {r} of {world} failed in its fit with {m}' for r,m in sorted(first.items()))
+    if first: why = '; '.join(f'process {r} of {world} failed in its fit with {m}' for r,m in sorted(first.items()))
+    elif silent: why = (f"no process reported the error that stopped the run: process{'es' if len(silent) > 1 else ''} "
+                        f"{', '.join(map(str, silent))} of {world} reported nothing within {2*REPORT_S:.0f} s (killed, crashed outside "
+                        f"Python, or still waiting in a collective), and this process's collective failed with {describe(exc, 300)}")
+    else: return None
     return PeerProcessFailed(linked(f"{why[0].upper()}{why[1:]}. Process {rank} stopped at its next collective (its error is chained "
                              "below); the process group is destroyed", 'peer-failed'))

@@ -4,51 +4,182 @@
 
 # %% ../nbs/resume.ipynb #5e887fa9
 from __future__ import annotations
-import os, random
+import errno, hashlib, io, os, pickle, random, zipfile
 import numpy as np
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from fastai.basics import *
 from fastai.learner import SkipToEpoch
+import fastai
+from . import __version__
 from .distributed import sharding_engine
 from .messages import linked
+from .window import raised_everywhere
 
 # %% auto #0
-__all__ = ['atomic_save', 'ResumeCheckpoint']
+__all__ = ['FORMAT', 'CheckpointError', 'atomic_save', 'save_checkpoint', 'read_checkpoint', 'run_record', 'record_differences',
+           'ResumeCheckpoint']
 
 # %% ../nbs/resume.ipynb #e34ea678
+FORMAT = 2 # the checkpoint layout this version writes and reads (1: before checkpoints recorded their run)
+
+class CheckpointError(RuntimeError):
+    "A checkpoint that cannot be written or read: the message names the file and the cause"
+
+def _tmp_files(path:Path)->list[Path]: return list(path.parent.glob(f'.{path.name}.*.tmp'))
+
+def _chain(e:BaseException):
+    "`e`, then the exceptions it was raised from or while handling"
+    while e is not None: yield e; e = e.__cause__ or e.__context__
+
 def atomic_save(obj, # What torch.save writes
                 path:Path|str, # Where
                ):
-    "`torch.save(obj, path)` through a temporary file beside `path` and `os.replace`: a crash mid-save leaves the previous file whole"
+    "`torch.save(obj, path)` through a temporary file beside `path` and `os.replace`: a crash mid-save leaves the previous file whole; a failed write names the file and the OS cause"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
     try:
-        torch.save(obj, tmp)
-        with open(tmp, 'rb+') as f: os.fsync(f.fileno())
+        with open(tmp, 'wb') as f: # a Python file: the OS error (ENOSPC, EFBIG) reaches us, not torch's "unexpected pos"
+            torch.save(obj, f)
+            f.flush(); os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as e: # torch's writer can fail at its end too: the OS error is then the one it was handling
+        os_err = next((c for c in _chain(e) if isinstance(c, OSError) and c.errno), None)
+        why = (f"{os_err.strerror} ({errno.errorcode.get(os_err.errno, os_err.errno)})" if os_err is not None
+               else f"{type(e).__name__}: {e}")
+        raise CheckpointError(linked(f"Could not write the checkpoint {path}: {why}. The previous checkpoint, if any, is kept", 'resume')) from e
     finally:
         if tmp.exists(): tmp.unlink()
 
+def _digest(obj, h=None)->str:
+    "sha256 of a checkpoint's contents: every tensor's dtype, shape and bytes, and every other value's pickle, in order"
+    top = h is None
+    if top: h = hashlib.sha256()
+    if isinstance(obj, dict):
+        for k in obj: h.update(repr(k).encode()); _digest(obj[k], h)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f'{type(obj).__name__}{len(obj)}'.encode())
+        for o in obj: _digest(o, h)
+    elif isinstance(obj, Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f'{t.dtype}{tuple(t.shape)}'.encode()); h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, np.ndarray): h.update(f'{obj.dtype}{obj.shape}'.encode()); h.update(np.ascontiguousarray(obj).tobytes())
+    else: h.update(pickle.dumps(obj, protocol=4))
+    return h.hexdigest() if top else None
+
+def save_checkpoint(ck:dict, # The checkpoint: its `sha256` is added
+                    path:Path|str, # Where
+                   ):
+    "Write `ck` with the checksum of its contents (`atomic_save`)"
+    atomic_save(dict(ck, sha256=_digest(ck)), path)
+
+def read_checkpoint(path:Path|str, # A file `save_checkpoint` wrote
+                   )->dict:
+    "The checkpoint in `path`, checked whole: a `CheckpointError` that says whether it is truncated, corrupted or of another version"
+    path = Path(path)
+    def fail(why, e=None): raise CheckpointError(linked(f"Cannot resume from {path}: {why}. Remove it (or pass resume=False) to train "
+                                                 "from the start", 'resume')) from e
+    try: ck = torch.load(path, map_location='cpu', weights_only=False)
+    except FileNotFoundError: raise
+    except Exception as e:
+        size = path.stat().st_size
+        with open(path, 'rb') as f: magic = f.read(4)
+        if size == 0: fail('it is empty (0 bytes): truncated', e)
+        if magic != b'PK\x03\x04': fail(f'it is not a torch file (corrupted, or written by something else): {type(e).__name__}', e)
+        if not zipfile.is_zipfile(path): fail(f'it is truncated ({size} bytes, and the index a torch file ends with is missing)', e)
+        fail(f'it is corrupted ({type(e).__name__}: {str(e)[:200]})', e)
+    if not isinstance(ck, dict) or 'format' not in ck: fail('it was written by an earlier version of fastxtend_accum, whose '
+        'checkpoints do not record their run, so a resume from it cannot be checked')
+    if ck['format'] != FORMAT: fail(f"it is in checkpoint format {ck['format']} (fastxtend_accum {ck.get('versions', {}).get('fastxtend_accum')}), "
+                                    f'and this version ({__version__}) reads format {FORMAT}')
+    sha = ck.pop('sha256', None)
+    if sha != _digest(ck): fail('it is corrupted: its contents do not match the checksum they were saved with')
+    return ck
+
 # %% ../nbs/resume.ipynb #f64fc0b2
 def _rank()->int: return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def _world()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 def _plain(model:nn.Module)->nn.Module: return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
 def _shuffle_source(dl):
     "The loader whose `random.Random` draws the epoch's order: the one fastai's `DistributedDL` wraps, if it does"
     inner = getattr(dl, 'dl', None)
     return inner if hasattr(inner, 'rng') else dl
 
+def _value(v):
+    "A hyper-parameter or setting as plain Python (numbers as floats, arrays as lists), for a record that compares and pickles"
+    if isinstance(v, (bool, int, str)) or v is None: return v
+    if isinstance(v, (list, tuple)): return [_value(o) for o in v]
+    try: return np.asarray(v, dtype=float).tolist()
+    except Exception: return getattr(v, '__qualname__', None) or repr(v)
+
+def _optimizer(learn)->str:
+    "The optimizer as the Learner builds it: its function (and a partial's arguments), and fastai's steppers"
+    f = learn.opt_func
+    name = (f"{getattr(f.func, '__qualname__', f.func)}({', '.join(f'{k}={_value(v)}' for k,v in f.keywords.items())})"
+            if isinstance(f, partial) else getattr(f, '__qualname__', repr(f)))
+    steppers = getattr(learn.opt, 'cbs', None)
+    names = [getattr(c.func if isinstance(c, partial) else c, '__name__', type(c).__name__) for c in steppers or []]
+    return name + (f" [{', '.join(names)}]" if names else '')
+
+_SETTINGS = ('accum_bs', 'global_bs', 'micro_bs', 'n_acc', 'start_accum_bs', 'final_accum_bs', 'start', 'finish', 'drop_last')
+
+def run_record(learn:Learner, # At `before_fit`, before any callback changed the optimizer's hyper-parameters
+              )->dict:
+    "What a fit trains, as a resume must find it again: the accumulation, the data, the optimizer, the schedule and the versions"
+    accum = {type(cb).__name__: {k: _value(getattr(cb, k)) for k in _SETTINGS if hasattr(cb, k)} for cb in learn.cbs
+             if type(cb).__module__.startswith('fastxtend_accum.callback') or type(cb).__name__ == 'GradientAccumulation'}
+    scheds = {}
+    for cb in learn.cbs:
+        for k,s in getattr(cb, 'scheds', {}).items(): scheds[k] = [_value(s(p)) for p in (0., .25, .5, .75, 1.)]
+    hypers = {}
+    for h in (learn.opt.hypers if learn.opt is not None else []): # each one's value, or its value per parameter group
+        for k,v in h.items():
+            if k not in scheds: hypers.setdefault(k, []).append(_value(v))
+    hypers = {k: v[0] if all(o == v[0] for o in v) else v for k,v in hypers.items()}
+    dl = learn.dls.train
+    return dict(n_epoch=learn.n_epoch, accumulation=accum, micro_bs=getattr(dl, 'bs', None), n_samples=len(dl.dataset),
+                optimizer=_optimizer(learn), hypers=hypers, schedule=scheds, world_size=_world(),
+                versions={'fastxtend_accum': __version__, 'fastai': fastai.__version__})
+
+_NAMES = dict(n_epoch='epochs', micro_bs='micro-batch size (the training loader\'s bs)', n_samples='training samples',
+              hypers="optimizer hyper-parameter", schedule='schedule (at 0, 25, 50, 75 and 100% of the fit) of',
+              world_size='processes')
+
+def _flat(d:dict, pre:tuple=())->dict:
+    "A record's settings by path: ('accumulation', 'GradientAccumulation', 'accum_bs') -> 64"
+    res = {}
+    for k,v in d.items():
+        if isinstance(v, dict) and v: res.update(_flat(v, pre+(k,)))
+        else: res[pre+(k,)] = v
+    return res
+
+def record_differences(saved:dict, # `run_record` of the checkpoint's fit
+                       now:dict, # ...and of the fit that would resume it
+                       ignore:tuple=(), # Keys not compared
+                      )->list[str]:
+    "Each way `now` is another run than `saved`: the processes count only where the windows depend on them (no `global_bs`)"
+    glob = any(s.get('global_bs') for s in now['accumulation'].values())
+    skip = set(ignore) | ({'world_size'} if glob else set())
+    a,b = _flat(saved),_flat(now)
+    return [f"{' '.join([_NAMES.get(k[0], k[0]), *map(str, k[1:])])}: {a.get(k)} in the checkpoint, {b.get(k)} now"
+            for k in list(b) + [k for k in a if k not in b] if k[0] not in skip and a.get(k) != b.get(k)]
+
 class _SkipDone(SkipToEpoch):
     "fastai's `SkipToEpoch`, for the epochs a `ResumeCheckpoint` holds"
 
+# %% ../nbs/resume.ipynb #a37cb002
 class ResumeCheckpoint(Callback):
-    "Save what an exact resume needs after every epoch (atomically, on rank 0); when a fit starts and the file exists, resume from it"
+    "Save what an exact resume needs after every epoch (atomically, on rank 0); when the same run starts again, continue it where it stopped"
     order = TrainEvalCallback.order+1 # before_fit: before the engine wraps the model (fastai's DistributedTrainer, 11)
     def __init__(self,
         fname:str='checkpoint', # File in learn.path/learn.model_dir, without '.pth'
-        resume:bool=True, # Resume when a fit starts and the file exists
-    ): store_attr()
+        resume:bool=True, # Resume when a fit starts and the file holds this run
+        run_id:str|None=None, # The run's name, saved in the file: a file of another run is refused, not resumed
+        ignore:tuple=(), # Keys of `run_record` not compared on resume (e.g. 'versions')
+    ):
+        store_attr()
+        self.i_fit,self.records = 0,[] # this callback's training fits done (the next fit's index), and their `run_record`s
 
     @property
     def file(self)->Path:
@@ -56,33 +187,61 @@ class ResumeCheckpoint(Callback):
         return self.learn.path/self.learn.model_dir/f'{self.fname}.pth'
 
     def before_fit(self):
-        "Load the checkpoint, if any, into the model, the optimizer, the loader's shuffle and the random states; epochs done are skipped"
+        "Decide on rank 0 whether this fit resumes the checkpoint, and how; every process loads what rank 0 read"
         self._remove_skip() # one a fit that raised left behind
-        self.start,self.skip = 0,hasattr(self.learn, 'lr_finder') # `lr_find`'s fit is no training: it neither loads nor saves
-        if self.skip or not self.resume or not self.file.exists(): return
-        ck = torch.load(self.file, map_location='cpu', weights_only=False)
-        if ck['n_epoch'] != self.n_epoch:
-            raise ValueError(linked(f"{self.file} was saved by a fit of {ck['n_epoch']} epochs, and this fit has {self.n_epoch}: its schedule "
-                             f"would differ. Resume with the fit of {ck['n_epoch']} epochs, or pass resume=False (or remove the file)", 'resume'))
+        # `lr_find`'s fit is no training, and `validate`/`get_preds` fire `before_fit` too (holding the Learner's lock): neither loads nor saves
+        self.start,self.skip = 0,hasattr(self.learn, 'lr_finder') or self.learn.lock.locked()
+        if self.skip: return
+        k,record = self.i_fit,run_record(self.learn) # a fit that raised keeps its index: the next one resumes it
+        self.records = self.records[:k] + [record]
+        plan = self._plan(k, record) if _rank() == 0 else None
+        if _world() > 1: # one decision, rank 0's, for every process (it alone writes the file)
+            box = [plan]; dist.broadcast_object_list(box, src=0); plan = box[0]
+        what,arg = plan
+        if what == 'error': raise raised_everywhere(arg) # the same error on every process: none waits for another
+        if what == 'fresh': return
+        ck = arg
+        self.records = ck['fits'][:k] + [record]
         model = _plain(self.model)
         model.load_state_dict(ck['model'])
-        if self.opt is not None: self.opt.load_state_dict(to_device(ck['opt'], next(model.parameters()).device))
+        if self.opt is not None and ck['opt'] is not None: self.opt.load_state_dict(to_device(ck['opt'], next(model.parameters()).device))
         _shuffle_source(self.dls.train).rng.setstate(ck['shuffle'])
         random.setstate(ck['random']); np.random.set_state(ck['numpy']); torch.set_rng_state(ck['torch'])
-        self.start,self.learn.train_iter = ck['epoch']+1,ck['train_iter']
+        self.learn.train_iter = ck['train_iter']
+        self.start = ck['epoch']+1 if ck['fit'] == k else self.n_epoch # an earlier fit of the run: done, all skipped
+        if _rank() == 0: print(linked(f"ResumeCheckpoint: fit {k} of this run " + (f"resumed at epoch {self.start} of {self.n_epoch}"
+            if self.start < self.n_epoch else "was completed before: its epochs are skipped") + f" ({self.file}, saved after fit "
+            f"{ck['fit']} epoch {ck['epoch']})", 'resume'))
         self.learn.add_cb(_SkipDone(self.start)) # fastai's `start_epoch`: skipped after every callback's `before_epoch`
 
+    def _plan(self, k:int, record:dict)->tuple:
+        "Rank 0's decision: ('fresh', None), ('resume', checkpoint) or ('error', the exception every process raises)"
+        for t in _tmp_files(self.file): t.unlink(missing_ok=True) # a write that was killed half-way
+        if not self.resume or not self.file.exists(): return 'fresh',None
+        try: ck = read_checkpoint(self.file)
+        except CheckpointError as e: return 'error',e
+        if self.run_id is not None and ck['run_id'] != self.run_id:
+            return 'error',ValueError(linked(f"{self.file} holds run {ck['run_id']!r}, and this is run {self.run_id!r}. Pass another "
+                                  "fname, or remove the file", 'resume'))
+        if ck['fit'] < k: return 'fresh',None # a fit after the checkpoint's (one session, several fits): it starts anew
+        diffs = record_differences(ck['fits'][k], record, self.ignore)
+        if diffs: return 'error',ValueError(linked(f"{self.file} was saved by another run than this fit (fit {k} of its session): "
+            f"{'; '.join(diffs)}. Resume with the same settings, or pass resume=False (or remove the file)", 'resume'))
+        return 'resume',ck
+
     def after_fit(self):
-        "Take the epoch-skipping callback off again"
+        "The fit is done (ended, or cancelled: fastai's `after_fit`): the next one is a new fit. Take the epoch-skipping callback off again"
+        if not self.skip: self.i_fit += 1
         self._remove_skip()
     def _remove_skip(self): self.learn.remove_cbs([cb for cb in self.learn.cbs if isinstance(cb, _SkipDone)])
 
     def after_epoch(self):
-        "Save the checkpoint of the epoch just done (rank 0)"
+        "Save the checkpoint of the epoch just done (rank 0), with the run's record and a checksum"
         if self.skip or self.epoch < self.start or _rank(): return
         if sharding_engine(self.model) is not None: raise NotImplementedError(linked("ResumeCheckpoint does not save sharded (FSDP) "
             "models: save them with `learn.save(..., with_opt=True)` (see `sharded`)", 'resume'))
         opt = self.opt.state_dict() if self.opt is not None else None
-        atomic_save(dict(model=_plain(self.model).state_dict(), opt=opt, shuffle=_shuffle_source(self.dls.train).rng.getstate(),
-                         random=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-                         epoch=self.epoch, n_epoch=self.n_epoch, train_iter=self.train_iter), self.file)
+        save_checkpoint(dict(format=FORMAT, run_id=self.run_id, fit=self.i_fit, fits=self.records, versions=self.records[-1]['versions'],
+                             model=_plain(self.model).state_dict(), opt=opt, shuffle=_shuffle_source(self.dls.train).rng.getstate(),
+                             random=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
+                             epoch=self.epoch, n_epoch=self.n_epoch, train_iter=self.train_iter), self.file)

@@ -3,11 +3,12 @@
 
 Every process trains a float64 MLP on digits with `GradientAccumulation(64, global_bs=True)` under `distrib_ctx`; at its 6th
 micro-batch, process FAIL_RANK raises `ValueError`. CASE `caught`: its script catches the error and goes on to
-`dist.barrier()`, as a script that logs the error and waits for the others does; `uncaught`: the error ends it. Each process
+`dist.barrier()`, as a script that logs the error and waits for the others does; `lives`: it catches the error and goes on
+for LIVE_S seconds, holding its Learner and its DDP model (a notebook kernel); `killed`: it is killed (SIGKILL) instead; `uncaught`: the error ends it. Each process
 writes `OUT/rank<r>.json` the moment its fit ends: when (`time.time()`), with what error, and what the barrier did after.
 FAIL_RANK -1: every process raises (an error all of them meet): each keeps its own, and the process group stays, so the
 script's barrier passes; then a second fit fails on process 1 only, as in `caught`."""
-import json, os, sys, time
+import json, os, signal, sys, time
 import torch, torch.nn as nn, torch.distributed as dist
 from datetime import timedelta
 from fastai.basics import *
@@ -16,18 +17,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import ddp_worker as W
 
+LIVE_S = 45 # `lives`: how long the failing process goes on after its fit raised (peers must not wait for it)
+
 class Fail(Callback):
     "Raise on process `rank` at micro-batch `at` of the first epoch, and note the time"
     def __init__(self, rank, at, out): self.rank,self.at,self.out = rank,at,out
     def before_batch(self):
         if self.training and self.iter == self.at and self.rank in (-1, dist.get_rank()):
             with open(self.out + 'failed_at', 'w') as f: f.write(repr(time.time()))
+            if KILLED: os.kill(os.getpid(), signal.SIGKILL) # `killed`: gone without a word (kill -9, the OOM killer)
             raise ValueError(f'a bad batch at micro-batch {self.at} on process {dist.get_rank() if self.rank == -1 else self.rank}')
 
 def write(out, rank, **res):
     with open(f'{out}rank{rank}.json', 'w') as f: json.dump(res, f)
 
+KILLED = False
+
 def main(out, case, fail_rank):
+    global KILLED
+    KILLED = case == 'killed'
     torch.set_num_threads(1)
     W.fastai_distributed()
     dist.init_process_group('gloo', timeout=timedelta(seconds=W.PG_TIMEOUT))
@@ -50,6 +58,8 @@ def fit_and_wait(out, case, fail_rank, prefix=''):
         write(out + '/' + prefix, rank, t=time.time(), error=type(e).__name__, message=str(e),
               cause=None if e.__cause__ is None else f'{type(e.__cause__).__name__}: {e.__cause__}')
         if fail_rank not in (-1, rank) or case == 'uncaught': raise
+    if case == 'lives': # a notebook kernel, a script that logs the error and goes on: the process lives, its model too
+        time.sleep(LIVE_S); return
     # the failing process's script caught its error, and waits for the others
     t0 = time.time()
     try: dist.barrier(); after = None

@@ -23,7 +23,7 @@ def launch(tmp_path, case, fail_rank, n):
     wall = time.time() - t0
     assert p.returncode != 0 # a process raised out of its script: torchrun says so
     failed_at = float((tmp_path/'failed_at').read_text())
-    res = {r: json.loads((tmp_path/f'rank{r}.json').read_text()) for r in range(n)}
+    res = {r: json.loads((tmp_path/f'rank{r}.json').read_text()) for r in range(n)} # `lives`: the failing one's, written at once
     return res,failed_at,wall,p
 
 @pytest.mark.parametrize('case,fail_rank,n', [('caught', 1, 2), ('uncaught', 1, 2), ('caught', 0, 2), ('caught', 2, 3),
@@ -52,3 +52,21 @@ def test_peers_stop_within_seconds_and_say_why(tmp_path, case, fail_rank, n):
         assert 0 < o['t'] - failed_at < STOP_WITHIN
     print(f'launch: {wall:.1f} s')
     assert wall < PG_TIMEOUT
+
+
+@pytest.mark.parametrize('n,killed', [(2, 1)])
+def test_a_killed_process_is_named(tmp_path, n, killed):
+    """Process `killed` is killed (SIGKILL) mid-fit: it reports nothing, and each other process names it, not a peer whose
+    collective failed after it (before: the survivor raised gloo's 'Connection closed by peer' and named no process)"""
+    # torchrun ends the others when one dies: checked every 60 s here, so that the survivors say what they saw first
+    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--monitor-interval=60', '--master_addr=127.0.0.1',
+           f'--master_port={free_port()}', WORKER, str(tmp_path), 'killed', str(killed)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT=str(PG_TIMEOUT)),
+                       cwd=os.path.dirname(HERE))
+    failed_at = float((tmp_path/'failed_at').read_text())
+    for r in range(n):
+        if r == killed: continue
+        o = json.loads((tmp_path/f'rank{r}.json').read_text())
+        print(f'process {killed} of {n} killed: process {r} stopped {o["t"]-failed_at:.2f} s later with {o["error"]}: {o["message"][:300]}')
+        assert o['error'] == 'PeerProcessFailed' and f'process {killed} of {n} reported nothing' in o['message'], o
+        assert 0 < o['t'] - failed_at < STOP_WITHIN
