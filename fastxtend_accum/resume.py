@@ -15,6 +15,7 @@ from . import __version__
 from .distributed import sharding_engine
 from .messages import linked
 from .window import raised_everywhere
+from .export import LeftOutOfExport
 
 # %% auto #0
 __all__ = ['FORMAT', 'CheckpointError', 'atomic_save', 'save_checkpoint', 'read_checkpoint', 'run_record', 'record_differences',
@@ -169,7 +170,7 @@ class _SkipDone(SkipToEpoch):
     "fastai's `SkipToEpoch`, for the epochs a `ResumeCheckpoint` holds"
 
 # %% ../nbs/resume.ipynb #a37cb002
-class ResumeCheckpoint(Callback):
+class ResumeCheckpoint(LeftOutOfExport, Callback):
     "Save what an exact resume needs after every epoch (atomically, on rank 0); when the same run starts again, continue it where it stopped"
     order = TrainEvalCallback.order+1 # before_fit: before the engine wraps the model (fastai's DistributedTrainer, 11)
     def __init__(self,

@@ -68,9 +68,11 @@ class GradientAccumulation(BatchSplitter):
         r = self.windows
         self._drop_open_window(self.epoch-1) # an epoch cut short (`CancelEpochException`) skips `after_train`
         self._forget_params() # the engine wraps the model after `before_fit`: its parameters are listed again
-        if self.global_bs and self.deal_windows and self.windows.world_size > 1: # the same windows on any number of processes
-            from fastxtend_accum.dealing import deal_windows # fastai.distributed, imported only where processes train
-            deal_windows(self)
+        if self.windows.world_size > 1: # fastai.distributed, imported only where processes train
+            from fastxtend_accum.dealing import deal_windows, agree_processes
+            # the same windows on any number of processes; the processes' settings compared before the first collective
+            if self.global_bs and self.deal_windows: deal_windows(self)
+            else: agree_processes(self, self.dl)
         r.plan = self._plan_for(self.dl)
         if r.auto is not None: r.auto.pending = True # read at the first micro-batch, after every `before_train`
         r.i_window,r.skipped_tail = -1,False
