@@ -138,12 +138,17 @@ class BatchSplitter(Callback):
         for t in (pred if is_listy(pred) else [pred]):
             if isinstance(t, Tensor) and t.requires_grad: t.register_hook(lambda g: torch.where(c > 0, g, 0.))
     def _grads(self)->list:
-        "The gradients the model holds: what a window's scale multiplies (its parameters listed once an epoch, not once a step)"
-        model,ps = self._learn.model,self.__dict__.get('_params')
-        # listed again for another model object, and at every `before_train` (an engine may have replaced the parameters)
-        if ps is None or ps[0] is not model: ps = self.__dict__['_params'] = (model, list(model.parameters()))
-        return [p.grad for p in ps[1] if p.grad is not None]
+        "The gradients of the model and of every parameter the optimizer holds (a loss's, through `splitter`): what a window's scale multiplies"
+        learn,ps = self._learn,self.__dict__.get('_params')
+        model,opt = learn.model,getattr(learn, 'opt', None)
+        # listed once an epoch, not once a step: again for another model or optimizer object, and at every `before_train`
+        # (an engine may have replaced the parameters)
+        if ps is None or ps[0] is not model or ps[1] is not opt:
+            params = {id(p):p for p in model.parameters()}
+            if opt is not None: params.update((id(p),p) for pg in opt.param_lists for p in pg)
+            ps = self.__dict__['_params'] = (model, opt, list(params.values()))
+        return [p.grad for p in ps[2] if p.grad is not None]
     def _forget_params(self): self.__dict__.pop('_params', None)
     def _zero_grads(self):
-        "Zero every gradient the model holds: nothing of a dropped window is left for the next"
+        "Zero every gradient the model and the optimizer hold: nothing of a dropped window is left for the next"
         for g in self._grads(): g.zero_()

@@ -152,8 +152,12 @@ class GradientAccumulation(BatchSplitter):
         return int(w.held) if w is not None and w.stepped else self.windows.window_gbs
     @property
     def train_step(self)->int:
-        "Optimizer steps (windows closed) so far this fit"
+        "Optimizer steps (windows closed) so far this fit: at `before_step`/`after_step`, this one included"
         return self.windows.train_step
+    @property
+    def step_iter(self)->int:
+        "This epoch's window: at `before_step`/`after_step`, the `iter` the large batch has there (fastai's `iter` counts micro-batches)"
+        return self.windows.i_window
     @property
     def counter(self):
         "What the micro-batches' items are counted by (what `normalize_by='auto'` read)"
@@ -260,7 +264,7 @@ class GradientAccumulation(BatchSplitter):
         learn.loss_grad = w.weighted(learn.loss_grad, c) # loss_i * items_i/rho, on the device: no sync
         if r.guards_zero: self._zero_guard(c)
         learn._backward()
-        w.add_backward(r.mb_samples, c, learn.loss.detach())
+        w.add_backward(r.mb_samples, c, learn.loss.detach(), learn.loss_grad.detach())
         if r.checks_counts: w.items_min = c if w.items_min is None else torch.minimum(w.items_min, c) # checked at the step
 
     def _end_micro_batch(self):
@@ -300,10 +304,15 @@ class GradientAccumulation(BatchSplitter):
         if not r.fgrads.to_grads(scale, sync) and scale is not None: scale_grads(self._grads(), scale)
         w.done,w.stepped,w.held = True,True,held
         r.train_step += 1
+        # the step events see the large batch's loss: the window's (a NaN in any micro-batch too), and the loss whose gradient it is
+        mb_loss,mb_loss_grad = learn.loss,learn.loss_grad
+        learn.loss,learn.loss_grad = w.record.to(learn.loss.dtype),w.loss_grad(scale, learn.loss)
         # `before_step` callbacks (clipping, fp16 unscaling, a user's guard) see the window's mean gradient; a
         # `CancelStepException` skips the window, and fastai's `zero_grad` clears it, as on the large batch
         try: learn._with_events(self._step, 'step', CancelStepException)
-        finally: learn.opt.zero_grad()
+        finally:
+            learn.opt.zero_grad()
+            if not self.log_accum_batch: learn.loss,learn.loss_grad = mb_loss,mb_loss_grad # recorded per micro-batch
 
     def _step(self):
         self.learn._step()
