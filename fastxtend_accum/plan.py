@@ -15,7 +15,7 @@ from .messages import linked
 
 # %% auto #0
 __all__ = ['check_positive_int', 'check_bool', 'check_weighable', 'sampler_sizes', 'micro_batch_sizes', 'loader_drop_last',
-           'accumulation_callbacks', 'check_one_accumulation', 'check_one_learner', 'BatchSplitter']
+           'loader_bs', 'accumulation_callbacks', 'check_one_accumulation', 'check_one_learner', 'BatchSplitter']
 
 # %% ../nbs/plan.ipynb #682a56a8
 def check_positive_int(name:str, value)->int:
@@ -95,6 +95,13 @@ def loader_drop_last(dl, # A fastai or PyTorch DataLoader
     "The `drop_last` of a fastai or PyTorch loader: whether it drops the epoch's short last batch (`False` if it does not say)"
     d = getattr(dl, 'drop_last', False)
     return d if isinstance(d, bool) else False
+
+def loader_bs(dl, # A fastai or PyTorch DataLoader
+             )->int|None:
+    "The micro-batch size a fastai or PyTorch `DataLoader` states, if any"
+    bs = getattr(dl, 'bs', None) if hasattr(dl, 'create_batch') else getattr(dl, 'batch_size', None)
+    return bs if isinstance(bs, numbers.Integral) and bs > 0 else None
+
 
 # %% ../nbs/plan.ipynb #72187107
 def _where(cb)->str: return f"{type(cb).__module__.split('.')[0]}'s {type(cb).__name__}"

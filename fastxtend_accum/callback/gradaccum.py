@@ -4,7 +4,7 @@
 
 # %% ../../nbs/callback.gradaccum.ipynb #da52d83d
 from __future__ import annotations
-import contextlib, math, warnings
+import contextlib, math, numbers, warnings
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
 from fastai.data.load import DataLoader as FastaiDataLoader
@@ -34,8 +34,13 @@ class GradientAccumulation(BatchSplitter):
         grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
         accum_dtype:torch.dtype|None=torch.float32, # 16-bit parameters' sums in it; None: p.grad
         deal_windows:bool=True, # global_bs: deal the epoch window by window (dealing)
+        micro_batch_size:int|None=None, # fastxtend's: checked against the training loader's bs; None: not needed (read from each batch)
     ):
         n_acc = check_positive_int('n_acc', n_acc)
+        if isinstance(global_bs, numbers.Integral) and not isinstance(global_bs, (bool, np.bool_)): # fastxtend's 3rd: micro_batch_size
+            raise ValueError(linked(f"`global_bs` must be True or False, got {global_bs!r} ({type(global_bs).__name__}): fastxtend's third "
+                             f"parameter is micro_batch_size, this one's global_bs; pass `micro_batch_size={global_bs!r}` by name", 'arguments'))
+        self.micro_batch_size = None if micro_batch_size is None else check_positive_int('micro_batch_size', micro_batch_size)
         self.deal_windows = check_bool('deal_windows', deal_windows)
         self.accum_bs = check_size('accum_bs', n_acc if accum_bs is None else check_positive_int('accum_bs', accum_bs))
         self.n_acc,self.log_accum_batch = n_acc,check_bool('log_accum_batch', log_accum_batch)
@@ -49,6 +54,9 @@ class GradientAccumulation(BatchSplitter):
     def before_fit(self):
         "Start clean, even after a fit that was interrupted mid-window"
         check_one_accumulation(self)
+        bs = loader_bs(self.dls.train)
+        if self.micro_batch_size is not None and bs is not None and bs != self.micro_batch_size:
+            raise ValueError(linked(f"`micro_batch_size`={self.micro_batch_size} but the training loader yields micro-batches of {bs}", 'micro_batch_size'))
         self._abandon_window()
         check_weighable(self.model, accum_bs=self.accum_bs)
         r = self.windows

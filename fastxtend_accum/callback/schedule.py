@@ -27,12 +27,6 @@ def _check_point(name:str, value)->float|int:
                                    f"(pass an int for an epoch index)", 'start-finish'))
     return float(value)
 
-# %% ../../nbs/callback.schedule.ipynb #c145bed5
-def _loader_bs(dl)->int|None:
-    "The micro-batch size a fastai or PyTorch `DataLoader` states, if any"
-    bs = getattr(dl, 'bs', None) if hasattr(dl, 'create_batch') else getattr(dl, 'batch_size', None)
-    return bs if isinstance(bs, numbers.Integral) and bs > 0 else None
-
 # %% ../../nbs/callback.schedule.ipynb #170f9e31
 def _check_sched_value(schedule, pct:float, v)->float:
     "The size `schedule` gave at progress `pct`, or a `ValueError` that names the schedule and the value"
@@ -92,10 +86,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         if self.pct_start > self.pct_finish:
             raise ValueError(linked(f"`start`={self.start!r} is after `finish`={self.finish!r} in a fit of {self.n_epoch} epochs "
                              f"(at {self.pct_start:g} and {self.pct_finish:g} of training)", 'start-finish'))
-        bs = _loader_bs(self.dls.train)
-        if self.micro_batch_size is not None and bs is not None and bs != self.micro_batch_size:
-            raise ValueError(linked(f"`micro_batch_size`={self.micro_batch_size} but the training loader yields micro-batches of {bs}", 'micro_batch_size'))
-        self.micro_bs = self.micro_batch_size or bs
+        self.micro_bs = self.micro_batch_size or loader_bs(self.dls.train) # checked against each other in `super().before_fit`
         if self.micro_bs is not None: self._check_sizes()
         self.accum_bss = []
 
