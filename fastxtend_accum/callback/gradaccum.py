@@ -313,8 +313,9 @@ class GradientAccumulation(BatchSplitter):
         w.done,w.stepped,w.held = True,True,held
         r.train_step += 1
         # the step events see the large batch's loss: the window's (a NaN in any micro-batch too), and the loss whose gradient it is
-        mb_loss,mb_loss_grad = learn.loss,learn.loss_grad
-        learn.loss,learn.loss_grad = w.record.to(learn.loss.dtype),w.loss_grad(scale, learn.loss)
+        mb_loss,mb_loss_grad = getattr(learn, 'loss', None),getattr(learn, 'loss_grad', None) # none: cancelled here, not elsewhere
+        learn.loss = w.record if mb_loss is None else w.record.to(mb_loss.dtype)
+        learn.loss_grad = w.loss_grad(scale, learn.loss)
         # `before_step` callbacks (clipping, fp16 unscaling, a user's guard) see the window's mean gradient; a
         # `CancelStepException` skips the window, and fastai's `zero_grad` clears it, as on the large batch
         try: learn._with_events(self._step, 'step', CancelStepException)
