@@ -34,7 +34,7 @@ class GradientAccumulation(BatchSplitter):
         grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
         accum_dtype:torch.dtype|None=torch.float32, # 16-bit parameters' sums in it; None: p.grad
         deal_windows:bool=True, # global_bs: deal the epoch window by window (dealing)
-        micro_batch_size:int|None=None, # fastxtend's: checked against the training loader's bs; None: not needed (read from each batch)
+        micro_batch_size:int|None=None, # fastxtend's: checked against the loader's bs
     ):
         n_acc = check_positive_int('n_acc', n_acc)
         if isinstance(global_bs, numbers.Integral) and not isinstance(global_bs, (bool, np.bool_)): # fastxtend's 3rd: micro_batch_size
