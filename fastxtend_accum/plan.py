@@ -144,17 +144,17 @@ class BatchSplitter(Callback):
         pred = self.learn.pred
         for t in (pred if is_listy(pred) else [pred]):
             if isinstance(t, Tensor) and t.requires_grad: t.register_hook(lambda g: torch.where(c > 0, g, 0.))
-    def _grads(self)->list:
-        "The gradients of the model and of every parameter the optimizer holds (a loss's, through `splitter`): what a window's scale multiplies"
+    def _grads(self, model:bool=True)->list:
+        "The gradients of the model (unless `model=False`) and of every parameter the optimizer holds outside it (a loss's, through `splitter`)"
         learn,ps = self._learn,self.__dict__.get('_params')
-        model,opt = learn.model,getattr(learn, 'opt', None)
+        m,opt = learn.model,getattr(learn, 'opt', None)
         # listed once an epoch, not once a step: again for another model or optimizer object, and at every `before_train`
         # (an engine may have replaced the parameters)
-        if ps is None or ps[0] is not model or ps[1] is not opt:
-            params = {id(p):p for p in model.parameters()}
-            if opt is not None: params.update((id(p),p) for pg in opt.param_lists for p in pg)
-            ps = self.__dict__['_params'] = (model, opt, list(params.values()))
-        return [p.grad for p in ps[2] if p.grad is not None]
+        if ps is None or ps[0] is not m or ps[1] is not opt:
+            mine = {id(p):p for p in m.parameters()}
+            outside = {} if opt is None else {id(p):p for pg in opt.param_lists for p in pg if id(p) not in mine}
+            ps = self.__dict__['_params'] = (m, opt, list(mine.values()), list(outside.values()))
+        return [p.grad for p in (ps[2]+ps[3] if model else ps[3]) if p.grad is not None]
     def _forget_params(self): self.__dict__.pop('_params', None)
     def _zero_grads(self):
         "Zero every gradient the model and the optimizer hold: nothing of a dropped window is left for the next"

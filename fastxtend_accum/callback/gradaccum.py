@@ -309,7 +309,8 @@ class GradientAccumulation(BatchSplitter):
         w.record = w.loss(c, l)
         scale = w.scale(sync.world_size, c)
         # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
-        if not r.fgrads.to_grads(scale, sync) and scale is not None: scale_grads(self._grads(), scale)
+        summed = r.fgrads.to_grads(scale, sync) # the model's: a loss's parameters, outside it, are scaled here
+        if scale is not None: scale_grads(self._grads(model=not summed), scale)
         w.done,w.stepped,w.held = True,True,held
         r.train_step += 1
         # the step events see the large batch's loss: the window's (a NaN in any micro-batch too), and the loss whose gradient it is

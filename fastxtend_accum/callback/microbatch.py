@@ -290,8 +290,8 @@ class MicroBatching(BatchSplitter):
         scale = w.scale(sync.world_size, c) if sync.world_size > 1 else None
         learn.loss_grad = w.loss_grad(scale, learn.loss) # the step events see the batch's: the loss whose gradient is the step's
         # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
-        if not self.fgrads.to_grads(scale, sync) and scale is not None:
-            scale_grads(self._grads(), scale)
+        summed = self.fgrads.to_grads(scale, sync) # the model's: a loss's parameters, outside it, are scaled here
+        if scale is not None: scale_grads(self._grads(model=not summed), scale)
 
     def _run_micro_batches(self, mbs, spans, sizes, counts, w, rows, mix):
         learn,k = self.learn,len(sizes)
