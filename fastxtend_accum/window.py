@@ -187,6 +187,7 @@ def scale_grads(grads:list, # The gradients to scale, in place
                 scale:float|Tensor, # Window.scale's: a number, or a 0-d tensor on the device
                ):
     "Multiply every gradient by the window's `scale` (a tensor scale in each gradient's dtype: no host sync)"
+    if not grads: return # `_foreach_mul_` refuses an empty list: none outside a 16-bit model summed in float32, say
     if not isinstance(scale, Tensor): return torch._foreach_mul_(grads, scale)
     for dt in {g.dtype for g in grads}: torch._foreach_mul_([g for g in grads if g.dtype == dt], scale.to(dt))
 
