@@ -12,9 +12,8 @@ targets that are not -100, on the device); the same two with `normalize_by='samp
 (ABCDEF ABCDEF ...), after a warm-up round, with a fixed number of torch threads; each repetition times whole `fit(n_epoch)` calls (training only: validation is cancelled). The loader slices
 batches out of tensors, so that the loop, not item-by-item collation, is what is timed.
 
-Importing fastxtend_accum patches `Recorder.after_batch` (and the scheduler's and progress bar's) for every `Learner` in
-the process. fastai's variants run with fastai's own methods put back while they train, so they are timed as fastai
-ships; `no accumulation, patched Recorder` shows what the patch costs a run that does not accumulate.
+Importing fastxtend_accum changes nothing of fastai: what an accumulating fit takes over is installed on its Learner for
+that fit only (`patches`), so fastai's variants run fastai's code as it ships.
 
 Each run is timed in CPU time of the process and in wall-clock time; the targets are judged on CPU time, which on a
 shared machine leaves out the time other jobs hold the cores. Prints a table and one `RATIO` line per comparison (median
@@ -38,7 +37,6 @@ from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.callback.microbatch import MicroBatching
 
 NO_ACCUM = 'no accumulation'
-NO_ACCUM_PATCHED = 'no accumulation, patched Recorder'
 FASTAI = 'fastai GradientAccumulation'
 OURS = 'fastxtend_accum'
 OURS_LOG = f'{OURS} (log_accum_batch=True)'
@@ -48,10 +46,10 @@ OURS_SAMPLES = f"{OURS} (normalize_by='samples')"
 MICRO_SAMPLES = "MicroBatching(fixed, normalize_by='samples')"
 TORCH = 'PyTorch loop (accumulation)'
 TORCH_DL = 'PyTorch loop over the fastai loader'
-VARIANTS = [NO_ACCUM, NO_ACCUM_PATCHED, FASTAI, OURS_LOG, OURS_NOLOG, OURS_SAMPLES, MICRO, MICRO_SAMPLES, TORCH, TORCH_DL]
+VARIANTS = [NO_ACCUM, FASTAI, OURS_LOG, OURS_NOLOG, OURS_SAMPLES, MICRO, MICRO_SAMPLES, TORCH, TORCH_DL]
 # (variant, reference, target): the variant's time over the reference's, measured side by side; None: no target, shown
 COMPARISONS = [(OURS_LOG, FASTAI, 1.02), (OURS_NOLOG, FASTAI, 1.02), (OURS_LOG, NO_ACCUM, 1.0), (OURS_NOLOG, NO_ACCUM, 1.0),
-               (FASTAI, NO_ACCUM, None), (OURS_LOG, OURS_NOLOG, None), (NO_ACCUM_PATCHED, NO_ACCUM, None),
+               (FASTAI, NO_ACCUM, None), (OURS_LOG, OURS_NOLOG, None),
                (TORCH, NO_ACCUM, None), (MICRO, OURS_LOG, None), (MICRO, NO_ACCUM, None), (TORCH_DL, NO_ACCUM, None),
                (TORCH, TORCH_DL, None),
                # the default normalize_by='auto' on a classifier's CrossEntropyLoss counts its non-ignored targets (read from the loss)
@@ -61,19 +59,14 @@ COMPARISONS = [(OURS_LOG, FASTAI, 1.02), (OURS_NOLOG, FASTAI, 1.02), (OURS_LOG, 
 MODELS = {'mlp': ('MLP 64-128-128-10', lambda: mlp(128, 2), False),
           'cnn': ('CNN conv(1->16, 3x3) conv(16->32, 3x3, stride 2) linear(512->10) on 1x8x8', lambda: cnn(16), True)}
 
-# the library patches their `after_batch` (and the bar's `_launch_pbar`), `Learner.fit`/`_do_grad_opt`/`all_batches`, fastai's GA's
-# `before_fit`, `DataLoader.create_batches`
-PATCHED = (Recorder, ParamScheduler, ProgressCallback, Learner, FastaiGradientAccumulation, FastaiDataLoader)
-
 @contextmanager
 def fastai_as_shipped(names=None):
-    "fastai's own methods while inside (those in `names` only, if given), as in a process that never imported fastxtend_accum"
-    swapped = [(cls, k[len('_fastai_'):], cls.__dict__[k[len('_fastai_'):]], v) for cls in PATCHED
-               for k,v in list(cls.__dict__.items()) if k.startswith('_fastai_') and (names is None or k[len('_fastai_'):] in names)]
-    for cls,name,_,orig in swapped: setattr(cls, name, orig)
-    try: yield len(swapped)
-    finally:
-        for cls,name,patched,_ in swapped: setattr(cls, name, patched)
+    "fastai's own code where an accumulating fit's class would take it over: the event dispatch (`__call__`, `_call_one`), the item path (`all_batches`, `create_batches`); all if `names` is None"
+    from fastxtend_accum.patches import FAST
+    parts,saved = {'dispatch': {'__call__', '_call_one'}, 'items': {'all_batches', 'create_batches'}},dict(FAST)
+    FAST.update({k: False for k,v in parts.items() if names is None or v & set(names)})
+    try: yield
+    finally: FAST.update(saved)
 
 def torch_adam(params, lr):
     "PyTorch's optimizer with fastai `Adam`'s arithmetic: betas (0.9,0.99), eps 1e-5, decoupled weight decay 0.01 except on biases"
@@ -120,16 +113,14 @@ def make_runners(make_model, x, y, micro_bs, accum_bs, n_epoch, opt):
     "For each variant: (run, its model, its `Learner`) with every model at the same start"
     init = make_model().state_dict()
     runners = {}
-    def fastai_runner(cb, as_shipped=False, bs=micro_bs):
+    def fastai_runner(cb, bs=micro_bs):
         learn = learner(make_model(), x, y, bs, cb, opt)
         def run(cbs=None):
             learn.model.load_state_dict(init) # same start every time (in place: the optimizer keeps its parameters)
-            with fastai_as_shipped() if as_shipped else nullcontext(): learn.fit(n_epoch, cbs=cbs)
+            learn.fit(n_epoch, cbs=cbs)
         return run,learn.model,learn
-    # fastai's variants run with fastai's own Recorder: what a user without this library gets
-    runners[NO_ACCUM] = fastai_runner(None, as_shipped=True)
-    runners[NO_ACCUM_PATCHED] = fastai_runner(None)
-    runners[FASTAI] = fastai_runner(FastaiGradientAccumulation(accum_bs), as_shipped=True)
+    runners[NO_ACCUM] = fastai_runner(None)
+    runners[FASTAI] = fastai_runner(FastaiGradientAccumulation(accum_bs))
     runners[OURS_LOG] = fastai_runner(GradientAccumulation(accum_bs, log_accum_batch=True))
     runners[OURS_NOLOG] = fastai_runner(GradientAccumulation(accum_bs, log_accum_batch=False))
     runners[OURS_SAMPLES] = fastai_runner(GradientAccumulation(accum_bs, log_accum_batch=True, normalize_by='samples'))
@@ -161,10 +152,8 @@ def bench_model(key, opt, reps, n_epoch, micro_bs, accum_bs, n_train):
         counter = StepCounter()
         runners[name][0](cbs=counter)
         steps[name] = counter.n//n_epoch
-    with fastai_as_shipped() as n_swapped: pass
     sanity = {'micro-batches per epoch': n_micro, 'optimizer steps per epoch': steps,
               'loss records per fit (log_accum_batch True, False)': [len(runners[v][2].recorder.losses) for v in (OURS_LOG, OURS_NOLOG)],
-              "patched methods put back for fastai's variants": n_swapped,
               f'max |param diff| {OURS} vs {TORCH}': max_diff(runners[OURS_LOG][1], runners[TORCH][1]),
               f'max |param diff| {MICRO} vs {TORCH}': max_diff(runners[MICRO][1], runners[TORCH][1]),
               f'max |param diff| {TORCH_DL} vs {TORCH}': max_diff(runners[TORCH_DL][1], runners[TORCH][1]),

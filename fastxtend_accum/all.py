@@ -7,7 +7,6 @@ __all__ = []
 
 # %% ../nbs/all.ipynb #08850f45
 from fastai.basics import *
-from fastai.callback.schedule import * # the annealers (`SchedCos`...) that `GradientAccumulationSchedule` takes
 from .window import *
 from .plan import *
 from .patches import *

@@ -4,15 +4,29 @@
 
 # %% ../nbs/export.ipynb #fd930af7
 from __future__ import annotations
-import contextlib, re, zipfile
+import contextlib, re, sys, zipfile
+import fastai.learner
 import cloudpickle
 from fastai.basics import *
 from .messages import warn
 
 # %% auto #0
-__all__ = ['is_library_callback', 'without_library_callbacks', 'library_refs']
+__all__ = ['in_export', 'LeftOutOfExport', 'is_library_callback', 'without_library_callbacks', 'library_refs']
 
 # %% ../nbs/export.ipynb #1e842390
+def in_export()->bool:
+    "Whether fastai's own `Learner.export` is running: a frame of its code is on the stack (whatever wraps it)"
+    f,learner = sys._getframe(1),fastai.learner.__file__
+    while f is not None:
+        if f.f_code.co_name == 'export' and f.f_code.co_filename == learner: return True
+        f = f.f_back
+    return False
+
+class LeftOutOfExport:
+    "Mixin of this library's callbacks: pickled by fastai's `Learner.export`, a plain fastai `Callback` that does nothing"
+    def __reduce_ex__(self, protocol):
+        return (Callback, ()) if in_export() else super().__reduce_ex__(protocol)
+
 def is_library_callback(cb:Callback)->bool:
     "Whether `cb` is one of this library's callbacks (or a subclass of one)"
     return any(c.__module__.split('.')[0] == 'fastxtend_accum' for c in type(cb).__mro__)

@@ -4,14 +4,14 @@
 
 # %% ../nbs/plan.ipynb #05a054c5
 from __future__ import annotations
-import contextlib, numbers, warnings
+import contextlib, numbers, sys, warnings
 from copy import deepcopy
 from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader
-from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from .window import *
 from .distributed import split_loader, samples_per_process
 from .messages import linked
+from .export import LeftOutOfExport
 
 # %% auto #0
 __all__ = ['check_positive_int', 'check_bool', 'check_weighable', 'sampler_sizes', 'micro_batch_sizes', 'loader_drop_last',
@@ -106,9 +106,14 @@ def loader_bs(dl, # A fastai or PyTorch DataLoader
 # %% ../nbs/plan.ipynb #72187107
 def _where(cb)->str: return f"{type(cb).__module__.split('.')[0]}'s {type(cb).__name__}"
 
+def _foreign_accumulation(cb)->bool:
+    "Whether `cb` is fastai's or fastxtend's GradientAccumulation (looked up where their modules are imported: never imported here)"
+    return any(isinstance(cb, c) for c in (getattr(sys.modules.get(m), 'GradientAccumulation', None)
+                                           for m in ('fastai.callback.training', 'fastxtend.callback.gradaccum')) if c is not None)
+
 def accumulation_callbacks(learn:Learner)->list:
-    "The callbacks on `learn` that split batches or accumulate gradients: this library's and fastai's GradientAccumulation"
-    return [cb for cb in learn.cbs if isinstance(cb, FastaiGradientAccumulation) or getattr(type(cb), 'splits_batches', False)]
+    "The callbacks on `learn` that split batches or accumulate gradients: this library's, and fastai's or fastxtend's GradientAccumulation"
+    return [cb for cb in learn.cbs if getattr(type(cb), 'splits_batches', False) or _foreign_accumulation(cb)]
 
 def check_one_accumulation(cb:Callback):
     "Raise if another accumulation callback is in `cb`'s fit: two of them would each take the other's micro-batches"
@@ -125,9 +130,10 @@ def check_one_learner(cb:Callback, learn:Learner|None):
                          f"model {type(old.model).__name__}): give each Learner its own {type(cb).__name__}, or `remove_cb` it first", 'other-learner'))
 
 # %% ../nbs/plan.ipynb #6fc38641
-class BatchSplitter(Callback):
+class BatchSplitter(LeftOutOfExport, Callback):
     "What `GradientAccumulation` and `MicroBatching` share: one Learner at a time, and nothing left behind when detached"
     _learn,splits_batches,accumulating = None,True,False
+    takes_over = () # the Learner methods it takes over for its fit (`patches.take_over`): a subclass must not override them
     @property
     def learn(self):
         "The `Learner` the callback is attached to"
@@ -156,6 +162,7 @@ class BatchSplitter(Callback):
             ps = self.__dict__['_params'] = (m, opt, list(mine.values()), list(outside.values()))
         return [p.grad for p in (ps[2]+ps[3] if model else ps[3]) if p.grad is not None]
     def _forget_params(self): self.__dict__.pop('_params', None)
+
     def _zero_grads(self):
         "Zero every gradient the model and the optimizer hold: nothing of a dropped window is left for the next"
         for g in self._grads(): g.zero_()

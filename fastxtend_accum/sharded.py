@@ -9,8 +9,6 @@ from datetime import timedelta
 import torch.distributed as dist
 from fastai.basics import *
 from copy import deepcopy # after fastai's names, which bring `copy` the function
-from fastai.callback.training import GradientClip
-from fastai.callback.progress import ProgressCallback
 try: # FSDP2 (`fully_shard`), DTensor and the distributed state dicts: PyTorch 2.6 and later
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
@@ -18,14 +16,16 @@ try: # FSDP2 (`fully_shard`), DTensor and the distributed state dicts: PyTorch 2
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 except ImportError: FSDPModule = FullyShardedDataParallel = fully_shard = DTensor = None
-from .patches import fastai_method
+from .patches import take_over, takes_over, fastai_class, FIT_PARTS, FIT_HOOKS, ADDED, TAKEOVERS
+from .export import LeftOutOfExport
 from .distributed import _reduce_device, sharding_engine
 from .messages import linked
 
 # %% auto #0
 __all__ = ['ENGINES', 'is_sharded', 'tied_params', 'split_ties', 'shard_blocks', 'FSDP2Layout', 'FSDP1Layout', 'layout_of',
            'opt_params', 'full_opt_state', 'part_opt_state', 'full_model_state', 'broadcast_module_', 'shard_model',
-           'check_opt', 'ShardedTrainer', 'setup_sharded', 'clip_grad_norm', 'on_import']
+           'check_opt', 'ShardedTrainer', 'setup_sharded', 'zero_grad_views', 'clip_grad_norm', 'clip_step',
+           'ShardedFit', 'sharded_fit']
 
 # %% ../nbs/sharded.ipynb #a25dc962
 ENGINES = ('fsdp2', 'fsdp1')
@@ -290,7 +290,7 @@ def check_opt(model:nn.Module, # The model, as the Learner holds it
                              "on each process: those norms would be wrong. Shard with FSDP2 (engine='fsdp2') instead", 'fsdp'))
 
 # %% ../nbs/sharded.ipynb #bfc6b061
-class ShardedTrainer(Callback):
+class ShardedTrainer(LeftOutOfExport, Callback):
     "Shard the model with FSDP for the fit, build its optimizer on the shards and share the data out; a plain model after"
     order = 11 # as fastai's `DistributedTrainer`: after `TrainEvalCallback` puts the model on its device
     def __init__(self,
@@ -309,6 +309,7 @@ class ShardedTrainer(Callback):
         self.plain = None
         if not is_sharded(self.model): self._shard()
         check_opt(self.model, self.opt)
+        take_over(self.learn, self, 'sharded') # `learn.save`/`load`, `GradientClip` on the shards, for the fit (`patches`)
         self.old_dls,self.old_logger = list(self.dls),self.learn.logger
         if self.world_size > 1: self.learn.dls.loaders = [self._wrap_dl(dl) for dl in self.dls]
         if self.rank: self.learn.logger = noop
@@ -326,7 +327,7 @@ class ShardedTrainer(Callback):
         self.learn.dls.loaders,self.learn.logger = self.old_dls,self.old_logger
 
     def _wrap_dl(self, dl):
-        try: from fastai.distributed import DistributedDL # imported when first needed (see `on_import`)
+        try: from fastai.distributed import DistributedDL # imported when first needed: it imports Accelerate
         except (ImportError, NameError) as e: raise ImportError(linked("Sharing the data out needs fastai.distributed, which needs "
                                                                 "`pip install accelerate` (or fastxtend_accum[distributed])", 'accelerate')) from e
         return dl if isinstance(dl, DistributedDL) else DistributedDL(dl, device=self.device)
@@ -388,7 +389,7 @@ def setup_sharded(cpu:bool|None=None, # Gloo on the CPU; None: if no GPU (else N
         dist.init_process_group('nccl', device_id=device, **kw)
     return _reduce_device(None)
 
-@patch
+@patch # added to fastai's Learner, as fastai.distributed adds `to_distributed` (`patches.ADDED`)
 def to_sharded(self:Learner,
     policy=None, # Blocks: None (children with parameters), classes, or m -> bool
     engine:str='fsdp2', # 'fsdp2' (fully_shard) or 'fsdp1' (FullyShardedDataParallel)
@@ -397,7 +398,7 @@ def to_sharded(self:Learner,
 ):
     "Add a `ShardedTrainer` to the Learner; only rank 0 shows progress, and batches go to this process's GPU under NCCL"
     self.add_cb(ShardedTrainer(policy, engine, sync_module_states, **kwargs))
-    if dist.get_rank() and hasattr(self, 'progress'): self.remove_cb(ProgressCallback); self._sharded_bar = True
+    if dist.get_rank() and hasattr(self, 'progress'): self.remove_cb(self.progress); self._sharded_bar = True
     device = _reduce_device(None)
     if device.type != 'cpu' and getattr(self.dls, 'device', None) != device: self._sharded_device,self.dls.device = self.dls.device,device
     return self
@@ -406,7 +407,7 @@ def to_sharded(self:Learner,
 def detach_sharded(self:Learner):
     "Remove the `ShardedTrainer`, and give back the progress bar and the loaders' device `to_sharded` changed"
     self.remove_cbs([cb for cb in self.cbs if isinstance(cb, ShardedTrainer)])
-    if self.__dict__.pop('_sharded_bar', False) and not hasattr(self, 'progress'): self.add_cb(ProgressCallback())
+    if self.__dict__.pop('_sharded_bar', False) and not hasattr(self, 'progress'): self.add_cb(fastai_class('fastai.callback.progress', 'ProgressCallback')())
     if '_sharded_device' in self.__dict__: self.dls.device = self.__dict__.pop('_sharded_device')
     return self
 
@@ -431,10 +432,9 @@ def sharded_ctx(self:Learner,
         if started: dist.destroy_process_group()
 
 # %% ../nbs/sharded.ipynb #1140fc44
-@patch
-def zero_grad(self:Optimizer):
+def zero_grad_views(opt:Optimizer):
     "fastai's `zero_grad`, for gradients that are views too (FSDP1's), which fastai's in-place `detach_` refuses"
-    for p,*_ in self.all_params(with_grad=True):
+    for p,*_ in opt.all_params(with_grad=True):
         g = p.grad
         if not g._is_view(): g.detach_()
         elif g.grad_fn is not None: p.grad = g = g.detach()
@@ -452,50 +452,45 @@ def clip_grad_norm(model:nn.Module, # The model, as the Learner holds it
     "Clip `model`'s gradients by their norm over the whole model, every process's shard for a sharded one, and return that norm"
     return _clip(model, layout_of(model), max_norm, norm_type)
 
-_clip_layouts = weakref.WeakKeyDictionary() # GradientClip -> (the model, its layout), found at the fit's first step
-
-def _fit_layout(cb:GradientClip, model:nn.Module):
-    "`layout_of(model)`, found once per fit: again only if the Learner's model is another object"
-    found = _clip_layouts.get(cb)
-    if found is None or found[0] is not model: _clip_layouts[cb] = found = (model, layout_of(model))
-    return found[1]
-
-@patch
-def before_fit(self:GradientClip):
-    "Forget the layout of the last fit's model (added: fastai's `GradientClip` has no `before_fit`)"
-    _clip_layouts.pop(self, None)
-
-@patch
-def after_fit(self:GradientClip):
-    "Hold no model after the fit (added: fastai's `GradientClip` has no `after_fit`)"
-    _clip_layouts.pop(self, None)
-
-@patch
-def before_step(self:GradientClip):
-    "Clip the gradients by their norm over the whole model: for a sharded model, the norm over every process's shard"
-    model = self.learn.model
-    _clip(model, _fit_layout(self, model), self.max_norm, self.norm_type)
+def clip_step(cb, # fastai's `GradientClip`
+              found:dict, # The fit's: the model and its layout, found at the fit's first step
+             ):
+    "`GradientClip.before_step` for a sharded model: clip by the norm over every process's shard"
+    model = cb.learn.model
+    if found.get('model') is not model: found.update(model=model, layout=layout_of(model))
+    _clip(model, found['layout'], cb.max_norm, cb.norm_type)
 
 # %% ../nbs/sharded.ipynb #32aa9360
-_learner_save,_learner_load,_learner_create_opt = [fastai_method(Learner, n) for n in ('save', 'load', 'create_opt')]
+class ShardedFit:
+    "The Learner methods a fit takes over where its model is sharded (a part of the fit class, see `patches`)"
+    @takes_over('Learner.save', "a sharded model's state gathered whole from every process and written as a plain model's, "
+                "by one process per file", how='the fit class (a sharded model)')
+    def save(self, file, **kwargs):
+        "fastai's `Learner.save`; a sharded model's state is gathered from every process (they all call it), written by one per file"
+        if not is_sharded(self.model): return super().save(file, **kwargs)
+        with_opt,protocol = kwargs.pop('with_opt', True),kwargs.pop('pickle_protocol', 2)
+        file = join_path_file(file, self.path/self.model_dir, ext='.pth')
+        paths = [None]*dist.get_world_size()
+        dist.all_gather_object(paths, str(file)) # `LRFinder` saves to a temporary folder of each process's own
+        writes,everyone = paths.index(str(file)) == dist.get_rank(),len(set(paths)) > 1
+        state = full_model_state(self.model, rank0_only=not everyone)
+        if everyone: state = {k: v.cpu() for k,v in state.items()}
+        if with_opt and self.opt is not None:
+            opt = full_opt_state(self.opt, layout_of(self.model))
+            state = {'model': state, 'opt': {**opt, 'state': to_device(opt['state'], 'cpu')} if writes else None}
+        if writes: torch.save(state, file, pickle_protocol=protocol, **kwargs)
+        return file
 
-@patch
-def save(self:Learner, file, **kwargs):
-    """fastai's `Learner.save`; a sharded model's state is gathered whole from every process (they all call it) and written as
-    a plain model's, by one process per file"""
-    if not is_sharded(self.model): return _learner_save(self, file, **kwargs)
-    with_opt,protocol = kwargs.pop('with_opt', True),kwargs.pop('pickle_protocol', 2)
-    file = join_path_file(file, self.path/self.model_dir, ext='.pth')
-    paths = [None]*dist.get_world_size()
-    dist.all_gather_object(paths, str(file)) # `LRFinder` saves to a temporary folder of each process's own
-    writes,everyone = paths.index(str(file)) == dist.get_rank(),len(set(paths)) > 1
-    state = full_model_state(self.model, rank0_only=not everyone)
-    if everyone: state = {k: v.cpu() for k,v in state.items()}
-    if with_opt and self.opt is not None:
-        opt = full_opt_state(self.opt, layout_of(self.model))
-        state = {'model': state, 'opt': {**opt, 'state': to_device(opt['state'], 'cpu')} if writes else None}
-    if writes: torch.save(state, file, pickle_protocol=protocol, **kwargs)
-    return file
+    @takes_over('Learner.load', "into a sharded model, every process reads the plain model's state and keeps its own shards",
+                how='the fit class (a sharded model)')
+    def load(self, file, device=None, **kwargs):
+        "fastai's `Learner.load`; into a sharded model, every process reads the plain model's state and keeps its own shards"
+        if not is_sharded(self.model): return super().load(file, device=device, **kwargs)
+        if self.opt is None: self.create_opt()
+        file = join_path_file(file, self.path/self.model_dir, ext='.pth')
+        distrib_barrier()
+        load_model(file, _FullModel(self.model), _FullOpt(self.opt, layout_of(self.model)), device='cpu', **kwargs)
+        return self
 
 class _FullModel:
     "What fastai's `load_model` loads a plain model's state dict into, for a sharded model: every process keeps its shards"
@@ -508,60 +503,26 @@ class _FullOpt:
     def __init__(self, opt, layout): self.opt,self.layout = opt,layout
     def load_state_dict(self, sd): self.opt.load_state_dict(part_opt_state(sd, opt_params(self.opt), self.layout))
 
-@patch
-@delegates(load_model)
-def load(self:Learner, file, device=None, **kwargs):
-    "fastai's `Learner.load`; into a sharded model, every process reads the plain model's state and keeps its own shards"
-    if not is_sharded(self.model): return _learner_load(self, file, device=device, **kwargs)
-    if self.opt is None: self.create_opt()
-    file = join_path_file(file, self.path/self.model_dir, ext='.pth')
-    distrib_barrier()
-    load_model(file, _FullModel(self.model), _FullOpt(self.opt, layout_of(self.model)), device='cpu', **kwargs)
-    return self
-
-@patch
-def create_opt(self:Learner):
-    "fastai's `create_opt`, refusing an optimizer that would step wrongly on a model FSDP1 shards (see `check_opt`)"
-    _learner_create_opt(self)
-    check_opt(self.model, self.opt)
+FIT_PARTS.append(ShardedFit)
 
 # %% ../nbs/sharded.ipynb #9700692a
-class _OnImport(importlib.abc.MetaPathFinder):
-    "Runs `fn(module)` right after module `name` is first imported, by whoever imports it"
-    def __init__(self, name, fn): self.name,self.fn = name,fn
-    def find_spec(self, name, path=None, target=None):
-        if name != self.name or self not in sys.meta_path: return None
-        sys.meta_path.remove(self) # the finders after us find the module; we only wrap its execution
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None: sys.meta_path.insert(0, self); return spec
-        run = spec.loader.exec_module
-        def exec_module(module):
-            try: run(module)
-            except BaseException: sys.meta_path.insert(0, self); raise # not imported (no Accelerate): wait for the next try
-            self.fn(module)
-        spec.loader.exec_module = exec_module
-        return spec
+def sharded_fit(learn:Learner, # The Learner whose fit is taken over (`patches.take_over`)
+                fit, # Its takeovers, removed when the fit ends
+               ):
+    "For a fit on a sharded model: refuse fastai's DDP over it, and give fastai's optimizer and `GradientClip` their sharded methods"
+    model = learn.model
+    if not is_sharded(model): return
+    if any(type(cb).__name__ == 'DistributedTrainer' for cb in learn.cbs): # fastai's `distrib_ctx`
+        raise ValueError(linked("The model is sharded with FSDP, and `distrib_ctx` would wrap it in DDP: train it in "
+                                "`learn.sharded_ctx()`, which shares the data out and keeps the shards", 'fsdp'))
+    check_opt(model, learn.opt)
+    if sharding_engine(model) == 'fsdp1' and isinstance(learn.opt, Optimizer): fit.set(learn.opt, 'zero_grad', functools.partial(zero_grad_views, learn.opt))
+    clip = fastai_class('fastai.callback.training', 'GradientClip')
+    for cb in learn.cbs:
+        if clip is not None and isinstance(cb, clip): fit.set(cb, 'before_step', functools.partial(clip_step, cb, {}))
 
-def on_import(name:str, # A module's full name
-              fn:Callable, # Called with the module once it is imported
-             ):
-    "Call `fn(module)` now if module `name` is imported, or right after it is: a patch without importing the module"
-    if name in sys.modules: fn(sys.modules[name])
-    else: sys.meta_path.insert(0, _OnImport(name, fn))
-
-def _patch_distributed_trainer(mod):
-    "fastai's `DistributedTrainer.before_fit`, with a clear error for a model already sharded (DDP would fail to broadcast it)"
-    DistributedTrainer = mod.DistributedTrainer
-    _dt_before_fit = fastai_method(DistributedTrainer, 'before_fit')
-
-    @patch_to(DistributedTrainer) # not `@patch`: its annotation would be looked up in this module's globals
-    def before_fit(self):
-        "fastai's `DistributedTrainer.before_fit`, with a clear error for a model already sharded (DDP would fail to broadcast it)"
-        if is_sharded(self.model): raise ValueError(linked("The model is sharded with FSDP, and `distrib_ctx` would wrap it in DDP: train "
-                                                    "it in `learn.sharded_ctx()`, which shares the data out and keeps the shards", 'fsdp'))
-        __tracebackhide__ = True # from here on the error is fastai's: IPython and pytest leave this frame out
-        _dt_before_fit(self)
-
-# fastai.distributed imports Accelerate (seconds, and tqdm's "IProgress not found" warning in Jupyter): the library leaves
-# importing it to the user (`from fastai.distributed import *`, for `distrib_ctx`), and patches it then
-on_import('fastai.distributed', _patch_distributed_trainer)
+FIT_HOOKS.append(sharded_fit)
+TAKEOVERS['Optimizer.zero_grad'] = dict(why="gradients that are views (FSDP1's) detached out of place", how='instance (the optimizer, a model FSDP1 shards)')
+TAKEOVERS['GradientClip.before_step'] = dict(why="the norm over every process's shard", how='instance (the callback, a sharded model)')
+ADDED.update({'Learner.to_sharded': 'adds a ShardedTrainer', 'Learner.detach_sharded': 'removes it',
+              'Learner.sharded_ctx': "fastai's `distrib_ctx`, for a sharded model"})

@@ -217,7 +217,42 @@ UNEVEN_DROP = dict(n=384, uneven=12)
 CASES = ['samples', 'tokens', 'weighted', 'uneven', 'tokens_local', 'uneven_local', 'mismatch', 'buckets', 'buckets_unsized', 'drift',
          'uneven_drop', *DEFAULTS, *SAMPLERS]
 
+def run_guest(case, out, rank):
+    "The 'samples' case with a Learner subclass whose `_step` is its own, or under a stand-in library that wraps `Learner._call_one`"
+    from fastxtend_accum.callback.gradaccum import GradientAccumulation
+    ga,count = GradientAccumulation(ACCUM_BS, normalize_by='samples'),CountAllReduce()
+    trn,val = digits_split()
+    learn,calls = digits_learner_on(trn, val, MICRO_BS, cbs=[ga, count]),[0]
+    if case == 'guest_lr_find': # fit, lr_find, fit: fastai's LRFinder saves on process 0 only, and loads with a barrier
+        import fastai.callback.schedule # `Learner.lr_find`
+        learn.path = Path(out)/'lr_find'
+        with learn.no_logging(), learn.no_bar(), learn.distrib_ctx(cpu=True):
+            learn.fit(1)
+            before = [p.detach().clone() for p in learn.model.parameters()]
+            learn.lr_find(num_it=6, show_plot=False) # fastai's least
+            lrs = list(learn.recorder.lrs)
+            after_find = [p.detach().clone() for p in learn.model.parameters()]
+            learn.fit(1)
+        return torch.save(dict(params=[p.detach().clone() for p in learn.model.parameters()], lrs=lrs, before=before,
+                               after_find=after_find), os.path.join(out, f'{case}-rank{rank}.pt'))
+    if case == 'guest_subclass':
+        class CountsSteps(type(learn)):
+            def _step(self): calls[0] += 1; super()._step()
+        learn.__class__ = CountsSteps
+        patched = None
+    else:
+        patched = Learner._call_one
+        def _call_one(self, event_name): calls[0] += 1; return patched(self, event_name)
+        Learner._call_one = _call_one
+    try:
+        with learn.no_logging(), learn.no_bar(), learn.distrib_ctx(cpu=True): learn.fit(N_EPOCH)
+    finally:
+        if patched is not None: Learner._call_one = patched
+    torch.save(dict(params=[p.detach().clone() for p in learn.model.parameters()], n_steps=ga.n_steps, extra=calls[0]),
+               os.path.join(out, f'{case}-rank{rank}.pt'))
+
 def run_case(case, out, rank):
+    if case.startswith('guest_'): return run_guest(case, out, rank)
     if case in DEFAULTS: return run_default(case, out, rank)
     if case in SAMPLERS: return run_sampler(case, out, rank)
     from fastxtend_accum.callback.gradaccum import GradientAccumulation

@@ -14,14 +14,13 @@ def assert_same_training(large, other, eps=1e-8):
     for a,b in zip(other.recorder.values, large.recorder.values): test_close(a, b, eps=1e-10)
 
 @contextlib.contextmanager
-def fastai_own(*replaced):
-    "fastai's own methods for the duration, where the patch layer replaces them: `replaced` as (class, name) pairs"
-    from fastxtend_accum.patches import fastai_method
-    new = [getattr(c, n) for c,n in replaced]
-    for c,n in replaced: setattr(c, n, fastai_method(c, n))
+def fastai_own(*parts):
+    "fastai's own code for the duration where an accumulating fit's class would take it over: `parts` of 'dispatch', 'items'"
+    from fastxtend_accum.patches import FAST
+    saved = dict(FAST)
+    FAST.update({p: False for p in parts})
     try: yield
-    finally:
-        for (c,n),f in zip(replaced, new): setattr(c, n, f)
+    finally: FAST.update(saved)
 
 def no_grads(learn): return all(p.grad is None or (p.grad == 0).all() for p in learn.model.parameters())
 

@@ -19,7 +19,7 @@ from fastxtend_accum.test_utils import Float64SmoothLoss
 
 def fastai_items():
     "fastai's own `Learner.all_batches` and `DataLoader.create_batches` for the duration"
-    return fastai_own((Learner, 'all_batches'), (FastaiDataLoader, 'create_batches'))
+    return fastai_own('items')
 
 @contextlib.contextmanager
 def counting_held():

@@ -149,7 +149,11 @@ def test_per_micro_batch(tmp_path):
     assert [s for s,_ in tb['accum_bs']] == list(range(1, n_mb+1))
 
 def test_without_accumulation(tmp_path):
-    "No accumulation callback: fastai's rows, and no `accum_bs`"
+    "No accumulation callback: fastai's own code, so fastai's rows and no `accum_bs` (and on fastcore 2, fastai 2.8.12's own crash)"
+    import fastai.callback.wandb as fw
+    if 'init_args' in fw._format_config_value.__code__.co_names: # fastai 2.8.12 on fastcore 2: fastai's bug, left as fastai ships it
+        with pytest.raises(TypeError, match='vars'): train_logged(tmp_path, None, 1, one_cycle=False)
+        return
     learn,rows,config,tb = train_logged(tmp_path, None, 1, one_cycle=False)
     assert len(rows) == 32 and [r['_step'] for r in rows] == list(range(32))
     assert [r['train_loss'] for r in rows] == pytest.approx([float(o) for o in learn.recorder.losses], rel=1e-12)
@@ -171,14 +175,14 @@ from fastxtend_accum.test_utils import digits_learner
 from fastai.callback.wandb import WandbCallback # after this library
 import wandb
 run = wandb.init(project='fastxtend-accum-tests', dir=sys.argv[1], mode='offline')
-learn = digits_learner(64, n_train=200) # no accumulation callback in this fit: the fix comes from the library's import
+learn = digits_learner(16, n_train=200, cbs=GradientAccumulation(64)) # an accumulating fit: its W&B callback gets the fix
 with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=WandbCallback(log_preds=False, log_model=False))
 run.finish()
 print(len(learn.recorder.losses))
 """
 
 def test_wandb_fix_whatever_the_import_order(tmp_path):
-    "fastai.callback.wandb imported after this library: its fastcore-2 fix still applies (fastai 2.8.12 crashes in before_fit without it)"
+    "fastai.callback.wandb imported after this library: an accumulating fit's fastcore-2 fix still applies (fastai 2.8.12 crashes in before_fit without it)"
     out = subprocess.run([sys.executable, '-c', WANDB_AFTER, str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().split('\n')[-1] == '4' # 200 samples in batches of 64: the fit ran to its end

@@ -111,11 +111,6 @@ def test_mid_window_and_fastai_ga_warnings_name_the_users_line():
     mid = ours(ws, 'training stopped mid-window')
     assert len(mid) == 1 and f'{DOCS_URL}#mid-window' in str(mid[0].message), [str(o.message) for o in ws]
     assert_at(mid[0], line)
-    patches._fastai_ga_warned = False # once per process: start over
-    ws,line = fit_warnings(digits_learner(16, n_train=200, cbs=FastaiGradientAccumulation(64)))
-    theirs = ours(ws, "fastai's own GradientAccumulation")
-    assert len(theirs) == 1 and f'{DOCS_URL}#fastai-gradientaccumulation' in str(theirs[0].message)
-    assert_at(theirs[0], line)
 
 def test_auto_ignored_targets_warning_names_the_users_line():
     "normalize_by='auto' with a loss it cannot read, on targets that hold -100"

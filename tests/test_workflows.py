@@ -283,15 +283,10 @@ def test_import_order(mod):
     test_is(ours(f"from fastai.{mod}.all import *\nfrom fastxtend_accum.{mod}.all import *"), ga.GradientAccumulation)
     swapped = ours(f"from fastxtend_accum.all import *\nfrom fastai.{mod}.all import *") # fastai's, under the same name
     test_is(swapped, FastaiGradientAccumulation)
-    import fastxtend_accum.patches as patches
-    patches._fastai_ga_warned = False # the warning is once per process: start over
+    # a fit of fastai's callback runs fastai's code: this library changes nothing of it (it no longer patches fastai to say so)
     learn = digits_learner(16, cbs=swapped(64))
-    with warnings.catch_warnings(record=True) as w, learn.no_bar(), learn.no_logging():
-        warnings.simplefilter('always')
-        learn.fit(1); learn.fit(1)
-    msgs = [str(o.message) for o in w if 'fastxtend_accum' in str(o.message)]
-    test_eq(len(msgs), 1)
-    assert "fastai's own GradientAccumulation" in msgs[0]
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    test_is(type(learn), Learner)
 
 # ---- 9: accum_bs is what each window held ----
 def test_accum_bs_is_what_windows_held():

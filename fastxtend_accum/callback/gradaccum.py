@@ -6,7 +6,6 @@
 from __future__ import annotations
 import contextlib, math, numbers, warnings
 from fastai.basics import *
-from fastai.callback.fp16 import MixedPrecision
 from fastai.data.load import DataLoader as FastaiDataLoader
 from ..window import *
 from ..plan import *
@@ -23,7 +22,8 @@ __all__ = ['GradientAccumulation']
 # %% ../../nbs/callback.gradaccum.ipynb #e04d4cd7
 class GradientAccumulation(BatchSplitter):
     "Accumulate gradients over micro-batches and step once per `accum_bs` samples, with the exact large-batch gradient"
-    order,run_valid = MixedPrecision.order-4,False # before `MixedPrecision` and `ParamScheduler`
+    order,run_valid = 6,False # before fastai's `MixedPrecision` (10) and `ParamScheduler` (60)
+    takes_over = ('one_batch', '_do_grad_opt') # the Learner's methods its fit takes over (`patches`)
     def __init__(self,
         accum_bs:int|None=None, # Samples per step (per process unless global_bs); None: n_acc
         n_acc:int=32, # fastai's name for accum_bs, used when accum_bs is None
@@ -67,6 +67,8 @@ class GradientAccumulation(BatchSplitter):
         if r.auto is not None: r.auto.start_fit()
         r.warned.discard('noplan') # said once per fit
         r.fgrads.attach(self.model)
+        fit = take_over(self.learn, self) # the Learner's fit class, until the fit ends (`patches`)
+        callback_methods(self.learn, self, fit) # fastai's recorder, scheduler, progress bar, lr_find, loggers: once per step
         self.accumulating = True
 
     def before_train(self):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib, gc, sys, time, warnings
 from itertools import accumulate
 from fastai.basics import *
-from fastai.callback.fp16 import MixedPrecision
 from ..window import *
 from ..plan import *
 from ..patches import *
@@ -131,6 +130,7 @@ class MicroBatching(BatchSplitter):
     order,run_valid = 0,False # it takes over the forward and backward of training batches; validation is fastai's own
     timer = staticmethod(time.perf_counter) # the clock 'fastest' times steps with
     log_accum_batch,taking_batches = False,False # its batches are optimizer steps: fastai records them as they are
+    takes_over = ('one_batch', '_do_one_batch', '_do_grad_opt') # the Learner's methods its fit takes over (`patches`)
     def __init__(self,
         micro_bs:int|str='auto', # Micro-batch size, 'auto' (the largest that fits) or 'fastest'
         normalize_by:str|Callable='auto', # 'auto' (read the loss), 'samples', (xb, yb) -> count
@@ -155,7 +155,8 @@ class MicroBatching(BatchSplitter):
     def before_fit(self):
         "Take over the training batches' forward and backward; 'auto' and 'fastest' start again from the whole batch"
         check_one_accumulation(self) # another MicroBatching, or a GradientAccumulation (this library's or fastai's)
-        self.taking_batches = True # `Learner.one_batch` (the patch layer) hands training batches to `train_batch`
+        take_over(self.learn, self) # the Learner's fit class, until the fit ends (`patches`)
+        self.taking_batches = True # `Learner.one_batch` (the fit class) hands training batches to `train_batch`
         self.fgrads.attach(self.learn.model)
         self.limit = self.micro_bs if isinstance(self.micro_bs, int) else None # largest micro-batch; `None`: the whole batch
         self.chosen_micro_bs,self.ref_bs,self.ooms,self.throughput,self.rho = None,None,[],{},None
@@ -164,7 +165,8 @@ class MicroBatching(BatchSplitter):
 
     def before_train(self):
         "Find fastai's `MixedPrecision`, whose autocast each micro-batch reopens, and the sync object of the model's engine"
-        self._mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
+        mp = fastai_class('fastai.callback.fp16', 'MixedPrecision')
+        self._mp = None if mp is None else next((cb for cb in self.learn.cbs if isinstance(cb, mp)), None)
         self._forget_params() # the engine wraps the model after `before_fit`: its parameters are listed again
         if self.sync.model is not self.learn.model: self.sync = window_sync(self.learn.model, self.grad_sync)
         if self.sync.sharded and not isinstance(self.micro_bs, int): # an OOM mid-forward would leave the others in an all-gather

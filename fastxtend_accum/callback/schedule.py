@@ -6,10 +6,10 @@
 from __future__ import annotations
 import math, numbers
 from fastai.basics import *
-from fastai.callback.schedule import ParamScheduler,SchedCos,SchedLin,SchedExp,SchedNo
 from ..window import *
 from ..plan import *
 from .gradaccum import *
+from ..patches import fastai_class
 from ..messages import linked
 
 # %% auto #0
@@ -44,7 +44,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         final_accum_bs:int, # Samples per optimizer step from finish on (may be smaller)
         start:float|int=0, # Where it starts: a fraction of training, or an epoch (int)
         finish:float|int=0.3, # Where it reaches final_accum_bs: a fraction, or an epoch
-        schedule:Callable=SchedCos, # A fastai annealer: schedule(start, end)(pct)
+        schedule:Callable|None=None, # A fastai annealer: schedule(start, end)(pct); None: SchedCos
         micro_batch_size:int|None=None, # Samples per micro-batch; None: the loader's
         log_accum_batch:bool=True, # Record losses, hps and progress once per step
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
@@ -60,6 +60,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         start,finish = _check_point('start', start),_check_point('finish', finish)
         if type(start) == type(finish) and start > finish:
             raise ValueError(linked(f"`start`={start!r} is after `finish`={finish!r}: the schedule must start before it finishes", 'start-finish'))
+        if schedule is None: from fastai.callback.schedule import SchedCos as schedule # fastai's module, imported when first needed
         if not callable(schedule): raise ValueError(linked(f"`schedule` must be a fastai annealer such as `SchedCos`, got {schedule!r}", 'schedule'))
         try: sched = schedule(start_accum_bs, final_accum_bs)
         except TypeError as e:
@@ -165,4 +166,6 @@ class GradientAccumulationSchedule(GradientAccumulation):
                 self._warn_once(name, f"`{name}`={v} is not a multiple of {unit}: its windows hold {held} samples"
                                 + (f" ({held//R} per process)" if u != m else ''))
 
-    def _param_scheduler(self): return next((cb for cb in self.learn.cbs if isinstance(cb, ParamScheduler)), None)
+    def _param_scheduler(self):
+        ps = fastai_class('fastai.callback.schedule', 'ParamScheduler') # none without fastai's schedule module
+        return None if ps is None else next((cb for cb in self.learn.cbs if isinstance(cb, ps)), None)

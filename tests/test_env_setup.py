@@ -1,0 +1,36 @@
+"""How `make env` installs (issue 42): torch and torchvision pinned in `requirements/torch.txt` alone, without a local
+label (PyPI serves no `2.13.0+cpu`), and installed from the index `tools/torch_index.py` picks, quickly where PyTorch's
+index does not answer. Offline and instant: `make check-locks` is the check against PyPI itself."""
+import os, sys, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT/'tools'))
+import check_locks, torch_index
+
+def test_locks_pin_no_torch_and_nothing_local():
+    "Every `==` pin in requirements/ is one PyPI could serve (no `+local` label); torch and torchvision only in torch.txt"
+    for f in sorted((ROOT/'requirements').glob('*')):
+        ps = check_locks.pins(f)
+        assert ps, f'{f.name}: no pins read'
+        assert not [f'{n}=={v}' for n,v in ps.items() if '+' in v], f'{f.name}: a local version PyPI does not serve'
+        assert (f.name == 'torch.txt') == bool({'torch', 'torchvision'} & set(ps)), f.name
+    assert set(check_locks.pins(ROOT/'requirements'/'torch.txt')) == {'torch', 'torchvision'}
+
+def test_torch_index_named_is_used_as_given(capsys):
+    assert torch_index.main('https://download.pytorch.org/whl/cu126') == '--index-url https://download.pytorch.org/whl/cu126'
+    assert 'TORCH_INDEX=https://download.pytorch.org/whl/cu126' in capsys.readouterr().err
+
+def test_torch_index_unreachable_falls_back_fast(monkeypatch, capsys):
+    "An index that does not answer: pip's own configuration (no options), within the probe's timeout"
+    monkeypatch.setattr(torch_index, 'CPU_INDEX', 'http://127.0.0.1:9/whl/cpu') # the discard port: refused at once
+    t0 = time.time()
+    assert torch_index.main('') == ''
+    assert time.time() - t0 < 4 and 'did not answer' in capsys.readouterr().err
+
+def test_plain_env_hides_pip_configuration(monkeypatch):
+    monkeypatch.setenv('PIP_FIND_LINKS', '/opt/wheels'); monkeypatch.setenv('PIP_EXTRA_INDEX_URL', 'file:///x')
+    monkeypatch.setenv('PIP_CERT', '/etc/ssl/certs/ca-certificates.crt')
+    env = check_locks.plain_env()
+    assert env['PIP_CONFIG_FILE'] == os.devnull and 'PIP_FIND_LINKS' not in env and 'PIP_EXTRA_INDEX_URL' not in env
+    assert env['PIP_CERT'] == '/etc/ssl/certs/ca-certificates.crt'
