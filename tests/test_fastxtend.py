@@ -58,6 +58,5 @@ def test_schedule_rounds_up_where_fastxtend_rounds_down(parity):
     assert r['accum_bs'] == r['fastxtend_accum_bs'] == 224 # `accum_bs`: the current target on both
 
 def test_both_libraries_callbacks_in_one_fit_are_refused(parity):
-    import fastxtend_accum.plan as plan
-    if not hasattr(plan, '_foreign_accumulation'): pytest.xfail("fastxtend's GradientAccumulation is detected by the patches rewrite (plan._foreign_accumulation)")
+    "fastxtend's GradientAccumulation and this library's in one fit: refused at `before_fit` (`plan.accumulation_callbacks`)"
     assert 'both split the batch' in parity['both'] and "fastxtend's GradientAccumulation" in parity['both'], parity['both']
