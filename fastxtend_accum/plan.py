@@ -15,7 +15,7 @@ from .export import LeftOutOfExport
 
 # %% auto #0
 __all__ = ['check_positive_int', 'check_bool', 'check_weighable', 'sampler_sizes', 'micro_batch_sizes', 'loader_drop_last',
-           'accumulation_callbacks', 'check_one_accumulation', 'check_one_learner', 'BatchSplitter']
+           'loader_bs', 'accumulation_callbacks', 'check_one_accumulation', 'check_one_learner', 'BatchSplitter']
 
 # %% ../nbs/plan.ipynb #682a56a8
 def check_positive_int(name:str, value)->int:
@@ -96,6 +96,13 @@ def loader_drop_last(dl, # A fastai or PyTorch DataLoader
     d = getattr(dl, 'drop_last', False)
     return d if isinstance(d, bool) else False
 
+def loader_bs(dl, # A fastai or PyTorch DataLoader
+             )->int|None:
+    "The micro-batch size a fastai or PyTorch `DataLoader` states, if any"
+    bs = getattr(dl, 'bs', None) if hasattr(dl, 'create_batch') else getattr(dl, 'batch_size', None)
+    return bs if isinstance(bs, numbers.Integral) and bs > 0 else None
+
+
 # %% ../nbs/plan.ipynb #72187107
 def _where(cb)->str: return f"{type(cb).__module__.split('.')[0]}'s {type(cb).__name__}"
 
@@ -143,14 +150,19 @@ class BatchSplitter(LeftOutOfExport, Callback):
         pred = self.learn.pred
         for t in (pred if is_listy(pred) else [pred]):
             if isinstance(t, Tensor) and t.requires_grad: t.register_hook(lambda g: torch.where(c > 0, g, 0.))
-    def _grads(self)->list:
-        "The gradients the model holds: what a window's scale multiplies (its parameters listed once an epoch, not once a step)"
-        model,ps = self._learn.model,self.__dict__.get('_params')
-        # listed again for another model object, and at every `before_train` (an engine may have replaced the parameters)
-        if ps is None or ps[0] is not model: ps = self.__dict__['_params'] = (model, list(model.parameters()))
-        return [p.grad for p in ps[1] if p.grad is not None]
+    def _grads(self, model:bool=True)->list:
+        "The gradients of the model (unless `model=False`) and of every parameter the optimizer holds outside it (a loss's, through `splitter`)"
+        learn,ps = self._learn,self.__dict__.get('_params')
+        m,opt = learn.model,getattr(learn, 'opt', None)
+        # listed once an epoch, not once a step: again for another model or optimizer object, and at every `before_train`
+        # (an engine may have replaced the parameters)
+        if ps is None or ps[0] is not m or ps[1] is not opt:
+            mine = {id(p):p for p in m.parameters()}
+            outside = {} if opt is None else {id(p):p for pg in opt.param_lists for p in pg if id(p) not in mine}
+            ps = self.__dict__['_params'] = (m, opt, list(mine.values()), list(outside.values()))
+        return [p.grad for p in (ps[2]+ps[3] if model else ps[3]) if p.grad is not None]
     def _forget_params(self): self.__dict__.pop('_params', None)
 
     def _zero_grads(self):
-        "Zero every gradient the model holds: nothing of a dropped window is left for the next"
+        "Zero every gradient the model and the optimizer hold: nothing of a dropped window is left for the next"
         for g in self._grads(): g.zero_()

@@ -73,6 +73,7 @@ class Window:
     items = 0.             # what the loss averages over: a number, or a float64 tensor on the device (settled)
     loss_sum = 0.          # sum of (loss x items) over the micro-batches; of losses if sum_reduced (settled)
     counted:list           # (items, loss) of the micro-batches since: added to items and loss_sum at the step, all at once
+    grad_losses:list       # the weighted losses back-propagated, detached: the step's `loss_grad`, summed and scaled
     ref = None             # rho: the items the weights divide by, fixed at the window's first weighted micro-batch
     items_min = None       # the smallest count (a user's counter's counts are checked at the step)
     # the current micro-batch
@@ -87,7 +88,7 @@ class Window:
     def __init__(self,
                  target:int, # Samples (of this process) that fill it
                  sum_reduced:bool=False, # The loss sums its terms: weights of 1
-                ): self.target,self.sum_reduced,self.counted = target,sum_reduced,[]
+                ): self.target,self.sum_reduced,self.counted,self.grad_losses = target,sum_reduced,[],[]
 
     def add_yielded(self,
                     n:int, # Samples in the micro-batch
@@ -122,10 +123,12 @@ class Window:
                      samples:int, # Samples in the micro-batch
                      items, # What its loss averages over
                      loss:Tensor, # Its loss, detached
+                     loss_grad:Tensor|None=None, # The weighted loss it back-propagated, detached
                     ):
         "Count a micro-batch whose backward ran: its samples now, its items and detached loss summed at the step, all at once"
         self.backward_ran,self.samples = True,self.samples+samples
         self.counted.append((items, loss))
+        if loss_grad is not None: self.grad_losses.append(loss_grad)
 
     def settle(self):
         "Add the micro-batches counted since the last settle to `items` and `loss_sum`: a few ops per window, not per micro-batch"
@@ -170,11 +173,21 @@ class Window:
         c = self.items if items is None else items
         return l/(c.clamp(min=1e-300) if isinstance(c, Tensor) else max(c, 1e-300))
 
+    def loss_grad(self,
+                  scale=None, # `Window.scale`'s: what the accumulated gradient is multiplied by
+                  like:Tensor|None=None, # A tensor of the loss's dtype and device, for a window with no backward here
+                 )->Tensor:
+        "The loss whose gradient (averaged by the engine) is the step's: the weighted losses back-propagated, summed and scaled as the gradient"
+        gl = self.grad_losses
+        l = (gl[0] if len(gl) == 1 else torch.stack(gl).sum()) if gl else torch.zeros_like(like)
+        return l if scale is None else (l*scale).to(l.dtype)
+
 # %% ../nbs/window.ipynb #1d8dd5d3
 def scale_grads(grads:list, # The gradients to scale, in place
                 scale:float|Tensor, # Window.scale's: a number, or a 0-d tensor on the device
                ):
     "Multiply every gradient by the window's `scale` (a tensor scale in each gradient's dtype: no host sync)"
+    if not grads: return # `_foreach_mul_` refuses an empty list: none outside a 16-bit model summed in float32, say
     if not isinstance(scale, Tensor): return torch._foreach_mul_(grads, scale)
     for dt in {g.dtype for g in grads}: torch._foreach_mul_([g for g in grads if g.dtype == dt], scale.to(dt))
 

@@ -30,7 +30,12 @@ CASES = {
 # loss, a class weight of 0 (each window's first micro-batch holds only that class); case: (engine, grad_sync, variant)
 OTHER = {'ddp-l2-order0': ('ddp', 'auto', dict(l2=0)), 'ddp-l2-order10': ('ddp', 'auto', dict(l2=10)),
          'ddp-l2-order60': ('ddp', 'auto', dict(l2=60)), 'ddp-sum': ('ddp', 'auto', dict(reduction='sum', lr=LR/128)),
-         'ddp-zero-weight': ('ddp', 'auto', dict(weight0=3))}
+         'ddp-zero-weight': ('ddp', 'auto', dict(weight0=3)),
+         # issue 38: a NaN sample in process 1's 2nd window, a guard on `learn.loss` at before_step (both processes skip the
+         # step: the loss is the global window's); a learnable temperature of the loss in the optimizer, outside the DDP model
+         # (each process's follows its own windows' mean gradient, as under DDP on the large batch), on 250 samples per
+         # process: each epoch ends with a window of 58 on each, whose gradient the scale corrects
+         'ddp-nan-loss-guard': ('ddp', 'auto', dict(nan=(1, 64+5))), 'ddp-loss-param': ('ddp', 'auto', dict(temp=True, n=250))}
 for k,(e,s,v) in OTHER.items(): CASES[k] = (e, s, set(), 'before_batch', 0, v)
 LAM = 1e-2
 
@@ -45,8 +50,10 @@ def samples(rank:int, case:str|None=None)->list:
     from fastxtend_accum.test_utils import digits_data
     x,y = digits_data()
     n = N_TRAIN//2
+    nan = variant(case).get('nan') if case else None
+    if nan is not None and nan[0] == rank: x = x.clone(); x[n*rank+nan[1], 10] = float('nan')
     c = variant(case).get('weight0') if case else None
-    if c is None: return list(zip(x[n*rank:n*(rank+1)], y[n*rank:n*(rank+1)]))
+    if c is None: return list(zip(x[n*rank:n*(rank+1)], y[n*rank:n*(rank+1)]))[:variant(case).get('n') if case else None]
     # each window: a first micro-batch of class c only (weight 0: loss 0/0 on its own), then others
     per,nw = ACCUM_BS-MICRO_BS,n//ACCUM_BS
     cs,other = (y == c).nonzero().squeeze(1)[MICRO_BS*nw*rank:],(y != c).nonzero().squeeze(1)[per*nw*rank:]
@@ -59,7 +66,21 @@ def class_weight(case:str):
     w = torch.ones(10, dtype=torch.float64); w[c] = 0
     return w
 
-def loss_func(case:str): return nn.CrossEntropyLoss(weight=class_weight(case), reduction=variant(case).get('reduction', 'mean'))
+class TempCE(nn.Module):
+    "Cross-entropy with a learnable temperature: a parameter of the loss, outside the model"
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Parameter(torch.tensor(1., dtype=torch.float64))
+    def forward(self, pred, y): return F.cross_entropy(pred*self.t, y)
+
+def loss_func(case:str):
+    if variant(case).get('temp'): return TempCE()
+    return nn.CrossEntropyLoss(weight=class_weight(case), reduction=variant(case).get('reduction', 'mean'))
+
+class LossGuard(Callback):
+    "A common guard: skip the step when the loss is not finite"
+    def before_step(self):
+        if not torch.isfinite(self.learn.loss): raise CancelStepException()
 
 class L2Term(Callback):
     "A regulariser: adds LAM * |params|^2 to the loss in `before_backward`, at `order`"
@@ -83,8 +104,10 @@ def run(case:str, out:str, rank:int):
     dls = DataLoaders(FastaiDataLoader(samples(rank, case), bs=MICRO_BS, device='cpu'), FastaiDataLoader(val, bs=32, device='cpu'), device='cpu')
     model = nn.parallel.DistributedDataParallel(digits_mlp(seed=0)) if engine == 'ddp' else shard_model(digits_mlp(seed=0), engine)
     cb = GradientAccumulation(ACCUM_BS, grad_sync=sync)
-    extra = [L2Term(v['l2'])] if 'l2' in v else []
-    learn = Learner(dls, model, loss_func=loss_func(case), opt_func=SGD, lr=lr(case), cbs=[Float64SmoothLoss(), cb, Cancel(cancelled(case, rank), event, order), *extra])
+    extra = ([L2Term(v['l2'])] if 'l2' in v else []) + ([LossGuard()] if 'nan' in v else [])
+    lf = loss_func(case)
+    split = dict(splitter=lambda m: [list(m.parameters()), [lf.t]]) if v.get('temp') else {}
+    learn = Learner(dls, model, loss_func=lf, opt_func=SGD, lr=lr(case), cbs=[Float64SmoothLoss(), cb, Cancel(cancelled(case, rank), event, order), *extra], **split)
     from fsdp_worker import CollectiveCounter
     c0 = COUNTER.snapshot()
     t,error = time.perf_counter(),None
@@ -94,6 +117,7 @@ def run(case:str, out:str, rank:int):
     lib = {k: v for k,v in CollectiveCounter.delta(c0, COUNTER.snapshot()).items() if k.startswith('library_')}
     res = dict(seconds=time.perf_counter()-t, error=error, library=lib)
     if error is None: res.update(params=full_params(learn.model), n_steps=cb.n_steps)
+    if error is None and v.get('temp'): res['t'] = lf.t.item()
     torch.save(res, os.path.join(out, f'{case}-rank{rank}.pt'))
 
 def main(out:str, cases:list[str]):

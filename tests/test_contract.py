@@ -5,7 +5,7 @@ bad counters and sizes; and on 2 processes (torchrun, gloo, bounded), cancels on
 FSDP2, and under DDP a before_backward term at orders 0, 10, 60, a sum-reduced loss and a zero class weight: replicas
 identical, equal to one process on the global windows without the cancelled micro-batches, with at most one small
 collective of the library's per window."""
-import os, subprocess, sys, warnings
+import math, os, subprocess, sys, warnings
 import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -121,6 +121,7 @@ def reference(case:str)->tuple[list,int]:
     "One process stepping on each global window (both processes' micro-batches) without the cancelled ones: params, steps"
     model,data,steps = digits_mlp(seed=0),[W.samples(r, case) for r in range(2)],0
     per,v,lf = W.ACCUM_BS//W.MICRO_BS,W.variant(case),W.loss_func(case)
+    if v.get('temp'): return reference_temperatures(case)
     for epoch in range(W.N_EPOCH):
         for w in range(len(data[0])//W.ACCUM_BS):
             xs = [s for r in range(2) for i in range(per*w, per*(w+1)) if (epoch, i) not in W.cancelled(case, r)
@@ -128,10 +129,27 @@ def reference(case:str)->tuple[list,int]:
             if not xs: continue
             loss = lf(model(torch.stack([x for x,_ in xs])), torch.stack([y for _,y in xs]))
             if 'l2' in v: loss = loss + W.LAM*sum((p**2).sum() for p in model.parameters())
+            if not torch.isfinite(loss): continue # 'nan': the guard skips the step
             with torch.no_grad():
                 for p,g in zip(model.parameters(), torch.autograd.grad(loss, list(model.parameters()))): p -= W.lr(case)*g
             steps += 1
     return [p.detach() for p in model.parameters()],steps
+
+def reference_temperatures(case:str)->tuple[list,int,list]:
+    "DDP on the large batch with a loss parameter outside the model: the model steps on the mean of the processes' window means, each process's temperature on its own"
+    model,data,steps = digits_mlp(seed=0),[W.samples(r, case) for r in range(2)],0
+    ts = [torch.tensor(1., dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    for epoch in range(W.N_EPOCH):
+        for w in range(math.ceil(len(data[0])/W.ACCUM_BS)): # the last window short
+            losses = [F.cross_entropy(model(torch.stack([x for x,_ in d[W.ACCUM_BS*w:W.ACCUM_BS*(w+1)]]))*t,
+                                      torch.stack([y for _,y in d[W.ACCUM_BS*w:W.ACCUM_BS*(w+1)]])) for d,t in zip(data, ts)]
+            gm = [torch.autograd.grad(l, list(model.parameters()), retain_graph=True) for l in losses]
+            gt = [torch.autograd.grad(l, [t])[0] for l,t in zip(losses, ts)]
+            with torch.no_grad():
+                for j,p in enumerate(model.parameters()): p -= W.LR*(gm[0][j]+gm[1][j])/2
+                for t,g in zip(ts, gt): t -= W.LR*g
+            steps += 1
+    return [p.detach() for p in model.parameters()],steps,[t.item() for t in ts]
 
 @pytest.mark.parametrize('case', list(W.CASES))
 def test_cancels_on_any_process_keep_replicas_on_the_global_windows(runs, case):
@@ -140,7 +158,11 @@ def test_cancels_on_any_process_keep_replicas_on_the_global_windows(runs, case):
     library's own collectives: one small all-reduce per window at most (plus one an epoch and one a fit), none per micro-batch"""
     r0,r1 = runs[case]
     assert r0['error'] is None and r1['error'] is None, (r0['error'], r1['error'])
-    ref,n = reference(case)
+    ref,n,*ts = reference(case)
+    if ts: # each process's temperature, against its own on the large batch
+        d_t = max(abs(r['t']-t) for r,t in zip((r0, r1), ts[0]))
+        print(f'{case}: temperatures {r0["t"]:.6f}, {r1["t"]:.6f}, vs the large batch {d_t:.3g}')
+        assert d_t < 1e-10
     d = max((p-q).abs().max().item() for p,q in zip(r0['params'], ref))
     replicas = max((p-q).abs().max().item() for p,q in zip(r0['params'], r1['params']))
     print(f'{case}: max |param diff| vs one process on the global windows {d:.3g}, between replicas {replicas:.3g}, '

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/callback.gradaccum.ipynb #da52d83d
 from __future__ import annotations
-import contextlib, math, warnings
+import contextlib, math, numbers, warnings
 from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader
 from ..window import *
@@ -34,8 +34,13 @@ class GradientAccumulation(BatchSplitter):
         grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': per engine (see distributed)
         accum_dtype:torch.dtype|None=torch.float32, # 16-bit parameters' sums in it; None: p.grad
         deal_windows:bool=True, # global_bs: deal the epoch window by window (dealing)
+        micro_batch_size:int|None=None, # fastxtend's: checked against the loader's bs
     ):
         n_acc = check_positive_int('n_acc', n_acc)
+        if isinstance(global_bs, numbers.Integral) and not isinstance(global_bs, (bool, np.bool_)): # fastxtend's 3rd: micro_batch_size
+            raise ValueError(linked(f"`global_bs` must be True or False, got {global_bs!r} ({type(global_bs).__name__}): fastxtend's third "
+                             f"parameter is micro_batch_size, this one's global_bs; pass `micro_batch_size={global_bs!r}` by name", 'arguments'))
+        self.micro_batch_size = None if micro_batch_size is None else check_positive_int('micro_batch_size', micro_batch_size)
         self.deal_windows = check_bool('deal_windows', deal_windows)
         self.accum_bs = check_size('accum_bs', n_acc if accum_bs is None else check_positive_int('accum_bs', accum_bs))
         self.n_acc,self.log_accum_batch = n_acc,check_bool('log_accum_batch', log_accum_batch)
@@ -49,6 +54,9 @@ class GradientAccumulation(BatchSplitter):
     def before_fit(self):
         "Start clean, even after a fit that was interrupted mid-window"
         check_one_accumulation(self)
+        bs = loader_bs(self.dls.train)
+        if self.micro_batch_size is not None and bs is not None and bs != self.micro_batch_size:
+            raise ValueError(linked(f"`micro_batch_size`={self.micro_batch_size} but the training loader yields micro-batches of {bs}", 'micro_batch_size'))
         self._abandon_window()
         check_weighable(self.model, accum_bs=self.accum_bs)
         r = self.windows
@@ -156,8 +164,12 @@ class GradientAccumulation(BatchSplitter):
         return int(w.held) if w is not None and w.stepped else self.windows.window_gbs
     @property
     def train_step(self)->int:
-        "Optimizer steps (windows closed) so far this fit"
+        "Optimizer steps (windows closed) so far this fit: at `before_step`/`after_step`, this one included"
         return self.windows.train_step
+    @property
+    def step_iter(self)->int:
+        "This epoch's window: at `before_step`/`after_step`, the `iter` the large batch has there (fastai's `iter` counts micro-batches)"
+        return self.windows.i_window
     @property
     def counter(self):
         "What the micro-batches' items are counted by (what `normalize_by='auto'` read)"
@@ -264,7 +276,7 @@ class GradientAccumulation(BatchSplitter):
         learn.loss_grad = w.weighted(learn.loss_grad, c) # loss_i * items_i/rho, on the device: no sync
         if r.guards_zero: self._zero_guard(c)
         learn._backward()
-        w.add_backward(r.mb_samples, c, learn.loss.detach())
+        w.add_backward(r.mb_samples, c, learn.loss.detach(), learn.loss_grad.detach())
         if r.checks_counts: w.items_min = c if w.items_min is None else torch.minimum(w.items_min, c) # checked at the step
 
     def _end_micro_batch(self):
@@ -301,13 +313,20 @@ class GradientAccumulation(BatchSplitter):
         w.record = w.loss(c, l)
         scale = w.scale(sync.world_size, c)
         # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
-        if not r.fgrads.to_grads(scale, sync) and scale is not None: scale_grads(self._grads(), scale)
+        summed = r.fgrads.to_grads(scale, sync) # the model's: a loss's parameters, outside it, are scaled here
+        if scale is not None: scale_grads(self._grads(model=not summed), scale)
         w.done,w.stepped,w.held = True,True,held
         r.train_step += 1
+        # the step events see the large batch's loss: the window's (a NaN in any micro-batch too), and the loss whose gradient it is
+        mb_loss,mb_loss_grad = getattr(learn, 'loss', None),getattr(learn, 'loss_grad', None) # none: cancelled here, not elsewhere
+        learn.loss = w.record if mb_loss is None else w.record.to(mb_loss.dtype)
+        learn.loss_grad = w.loss_grad(scale, learn.loss)
         # `before_step` callbacks (clipping, fp16 unscaling, a user's guard) see the window's mean gradient; a
         # `CancelStepException` skips the window, and fastai's `zero_grad` clears it, as on the large batch
         try: learn._with_events(self._step, 'step', CancelStepException)
-        finally: learn.opt.zero_grad()
+        finally:
+            learn.opt.zero_grad()
+            if not self.log_accum_batch: learn.loss,learn.loss_grad = mb_loss,mb_loss_grad # recorded per micro-batch
 
     def _step(self):
         self.learn._step()

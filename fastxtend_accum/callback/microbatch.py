@@ -294,9 +294,10 @@ class MicroBatching(BatchSplitter):
             learn.loss = w.loss(c, l).to(learn.loss) # the loss of the global batch (every process's samples)
         # one process: the weights c_i/C sum to 1 (a batch of no items: zero gradients), nothing to correct
         scale = w.scale(sync.world_size, c) if sync.world_size > 1 else None
+        learn.loss_grad = w.loss_grad(scale, learn.loss) # the step events see the batch's: the loss whose gradient is the step's
         # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
-        if not self.fgrads.to_grads(scale, sync) and scale is not None:
-            scale_grads(self._grads(), scale)
+        summed = self.fgrads.to_grads(scale, sync) # the model's: a loss's parameters, outside it, are scaled here
+        if scale is not None: scale_grads(self._grads(model=not summed), scale)
 
     def _run_micro_batches(self, mbs, spans, sizes, counts, w, rows, mix):
         learn,k = self.learn,len(sizes)
@@ -331,7 +332,7 @@ class MicroBatching(BatchSplitter):
             learn.loss_grad = w.weighted(learn.loss_grad, c)
             if isinstance(c, Tensor) and guards_zero(self.counter): self._zero_guard(c) # a count of 0: no NaN
         if learn.loss_grad is not None: learn._backward()
-        if w is not None and size: w.add_backward(size, c, learn.loss.detach())
+        if w is not None and size: w.add_backward(size, c, learn.loss.detach(), None if learn.loss_grad is None else learn.loss_grad.detach())
 
     def _row_states(self, n:int)->RowStates|None:
         "The model's recurrent state, row by row, for a batch split in micro-batches: its modules are scanned once a fit"

@@ -27,12 +27,6 @@ def _check_point(name:str, value)->float|int:
                                    f"(pass an int for an epoch index)", 'start-finish'))
     return float(value)
 
-# %% ../../nbs/callback.schedule.ipynb #c145bed5
-def _loader_bs(dl)->int|None:
-    "The micro-batch size a fastai or PyTorch `DataLoader` states, if any"
-    bs = getattr(dl, 'bs', None) if hasattr(dl, 'create_batch') else getattr(dl, 'batch_size', None)
-    return bs if isinstance(bs, numbers.Integral) and bs > 0 else None
-
 # %% ../../nbs/callback.schedule.ipynb #170f9e31
 def _check_sched_value(schedule, pct:float, v)->float:
     "The size `schedule` gave at progress `pct`, or a `ValueError` that names the schedule and the value"
@@ -44,18 +38,24 @@ def _check_sched_value(schedule, pct:float, v)->float:
 # %% ../../nbs/callback.schedule.ipynb #8944b307
 class GradientAccumulationSchedule(GradientAccumulation):
     "Accumulate gradients over a number of samples that follows `schedule` from `start_accum_bs` to `final_accum_bs`"
-    @delegates(GradientAccumulation.__init__, but=['accum_bs', 'n_acc'])
-    def __init__(self,
+    @delegates(GradientAccumulation.__init__, but=['accum_bs', 'n_acc', 'log_accum_batch', 'drop_last'])
+    def __init__(self, # fastxtend's parameters, in its order
         start_accum_bs:int, # Samples per step before start (per process unless global_bs)
         final_accum_bs:int, # Samples per optimizer step from finish on (may be smaller)
         start:float|int=0, # Where it starts: a fraction of training, or an epoch (int)
         finish:float|int=0.3, # Where it reaches final_accum_bs: a fraction, or an epoch
         schedule:Callable|None=None, # A fastai annealer: schedule(start, end)(pct); None: SchedCos
         micro_batch_size:int|None=None, # Samples per micro-batch; None: the loader's
-        **kwargs, # GradientAccumulation's: global_bs, log_accum_batch, drop_last, normalize_by, grad_sync, accum_dtype
+        log_accum_batch:bool=True, # Record losses, hps and progress once per step
+        drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
+        **kwargs, # GradientAccumulation's: global_bs, normalize_by, grad_sync, accum_dtype, deal_windows
     ):
         start_accum_bs = check_positive_int('start_accum_bs', start_accum_bs)
         final_accum_bs = check_size('final_accum_bs', check_positive_int('final_accum_bs', final_accum_bs))
+        if isinstance(micro_batch_size, (bool, np.bool_)): # fastxtend's order: ..., schedule, micro_batch_size, log_accum_batch
+            raise ValueError(linked(f"`micro_batch_size` must be a positive integer or None, got {micro_batch_size!r}: it is the 6th "
+                             "parameter (fastxtend's order: start_accum_bs, final_accum_bs, start, finish, schedule, micro_batch_size, "
+                             f"log_accum_batch, drop_last); for the log, pass `log_accum_batch={micro_batch_size!r}` by name", 'arguments'))
         if micro_batch_size is not None: micro_batch_size = check_positive_int('micro_batch_size', micro_batch_size)
         start,finish = _check_point('start', start),_check_point('finish', finish)
         if type(start) == type(finish) and start > finish:
@@ -66,12 +66,20 @@ class GradientAccumulationSchedule(GradientAccumulation):
         except TypeError as e:
             raise ValueError(linked(f"`schedule` must be called as `schedule(start, end)`, like `SchedCos`: {schedule!r} raised {e}", 'schedule')) from None
         for p in (0., 0.5, 1.): _check_sched_value(schedule, p, sched(p)) # a bad size now, not mid-fit
-        super().__init__(start_accum_bs, **kwargs)
+        super().__init__(start_accum_bs, log_accum_batch=log_accum_batch, drop_last=drop_last, **kwargs)
         store_attr('start_accum_bs,final_accum_bs,start,finish,schedule,micro_batch_size')
         self.sched,self.micro_bs,self.accum_bss = sched,micro_batch_size,[]
 
+    @property
+    def accum_bs(self)->int:
+        "The size the schedule gives now: the open window's target (fastxtend's `accum_bs`), `start_accum_bs` before a fit"
+        return self.__dict__.get('_target') or self.start_accum_bs
+    @accum_bs.setter
+    def accum_bs(self, v): self.__dict__['_target'] = None # `GradientAccumulation.__init__`: the schedule's own from here
+
     def before_fit(self):
         "Place `start` and `finish` in this fit, and find the micro-batch size if the loader states it"
+        self.__dict__['_target'] = None # `accum_bs` is `start_accum_bs` until the fit's first window opens
         super().before_fit()
         check_weighable(self.model, final_accum_bs=self.final_accum_bs)
         if hasattr(self.learn, 'lr_finder'): self.pct_start = self.pct_finish = math.inf # `lr_find`: its epochs are not training's
@@ -79,10 +87,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         if self.pct_start > self.pct_finish:
             raise ValueError(linked(f"`start`={self.start!r} is after `finish`={self.finish!r} in a fit of {self.n_epoch} epochs "
                              f"(at {self.pct_start:g} and {self.pct_finish:g} of training)", 'start-finish'))
-        bs = _loader_bs(self.dls.train)
-        if self.micro_batch_size is not None and bs is not None and bs != self.micro_batch_size:
-            raise ValueError(linked(f"`micro_batch_size`={self.micro_batch_size} but the training loader yields micro-batches of {bs}", 'micro_batch_size'))
-        self.micro_bs = self.micro_batch_size or bs
+        self.micro_bs = self.micro_batch_size or loader_bs(self.dls.train) # checked against each other in `super().before_fit`
         if self.micro_bs is not None: self._check_sizes()
         self.accum_bss = []
 
@@ -124,7 +129,9 @@ class GradientAccumulationSchedule(GradientAccumulation):
         "Progress at micro-batch `i` of the current epoch: `pct_train` as `TrainEvalCallback` computes it"
         return (self.epoch + i/n_iter)/self.n_epoch
 
-    def _window_bs(self)->int: return self.accum_bs_at(self._pct(self.iter, self.n_iter))
+    def _window_bs(self)->int:
+        self.__dict__['_target'] = bs = self.accum_bs_at(self._pct(self.iter, self.n_iter))
+        return bs
     def _plan(self, sizes:list[int])->WindowPlan:
         if self.micro_bs is None and sizes: # a batch sampler read ahead: its first micro-batch, as `before_batch` would find it
             self.micro_bs = sizes[0]
