@@ -541,6 +541,10 @@ def _init_args(o)->dict:
     ps,d = inspect.signature(type(o).__init__).parameters,vars(o)
     return {p:d[p] for p in ps if p in d}
 
+def _sizes(acc)->dict:
+    "The window's size as logged: `accum_bs`, and `accumulation_batch_size`, the key fastxtend's callbacks log (dashboards query it)"
+    return {'accum_bs': acc.held_bs, 'accumulation_batch_size': acc.held_bs}
+
 def _format_config_value(v):
     "A config value as fastai 2.8.7 logged it: the arguments of the Learner (without data, model, callbacks) and of callbacks"
     if isinstance(v, list): return [_format_config_value(o) for o in v]
@@ -571,7 +575,7 @@ def _wandb_after_batch(self, acc):
     mod = sys.modules['fastai.callback.wandb']
     if not _logs_per_step(self.learn, acc):
         mod.WandbCallback.after_batch(self)
-        if self.training and vars(acc).get('accumulating'): mod.wandb.log({'accum_bs': acc.held_bs}, step=self._wandb_step)
+        if self.training and vars(acc).get('accumulating'): mod.wandb.log(_sizes(acc), step=self._wandb_step)
         return
     self._wandb_epoch += 1/self.n_iter # the epoch axis moves with every micro-batch...
     if not acc.window_closed: return    # ...a row is written once per optimizer step
@@ -579,7 +583,7 @@ def _wandb_after_batch(self, acc):
     self._wandb_step += 1
     hypers = {f'{k}_{i}':v for i,h in enumerate(self.opt.hypers) for k,v in h.items()}
     mod.wandb.log({'epoch': self._wandb_epoch, 'train_loss': self.smooth_loss, 'raw_loss': self.loss,
-                   'accum_bs': acc.held_bs, **hypers}, step=self._wandb_step)
+                   **_sizes(acc), **hypers}, step=self._wandb_step)
     mod.wandb.log({'train_samples_per_sec': acc.held_bs/window_time}, step=self._wandb_step) # over all processes
 
 @adapts('fastai.callback.tensorboard', 'TensorBoardCallback', 'after_batch', "a point per optimizer step")
@@ -589,4 +593,5 @@ def _tensorboard_after_batch(self, acc):
     running = vars(acc).get('accumulating')
     if running and acc.log_accum_batch and not (self.training and acc.window_closed): return
     sys.modules['fastai.callback.tensorboard'].TensorBoardCallback.after_batch(self)
-    if running and self.training: self.writer.add_scalar('accum_bs', acc.held_bs, self.train_iter)
+    if running and self.training:
+        for k,v in _sizes(acc).items(): self.writer.add_scalar(k, v, self.train_iter)

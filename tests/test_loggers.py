@@ -100,6 +100,7 @@ def test_per_optimizer_step(tmp_path):
     assert [r['lr_0'] for r in train] == pytest.approx(rec.hps['lr'], rel=1e-12)
     assert [r['mom_0'] for r in train] == pytest.approx(rec.hps['mom'], rel=1e-12)
     assert [r['accum_bs'] for r in train] == rec.hps['accum_bs'] and rec.hps['accum_bs'][0] == 32 and max(rec.hps['accum_bs']) == 128
+    assert [r['accumulation_batch_size'] for r in train] == rec.hps['accum_bs'] # fastxtend's key, for dashboards that query it
     # accum_bs is what each window held: an epoch's short last window (500 = 31*16 + 4) logs its real sample count
     assert rec.hps['accum_bs'] == [w['n'] for w in win] and rec.hps['accum_bs'][-1] < 128
     # the epoch axis: epochs done at each window's end, in micro-batches; whole at each epoch's end
@@ -126,6 +127,7 @@ def test_per_optimizer_step(tmp_path):
     assert [s for s,_ in tb['train_loss']] == ends_at
     assert [v for _,v in tb['train_loss']] == pytest.approx([float(o) for o in rec.losses], rel=1e-6)
     assert [s for s,_ in tb['accum_bs']] == ends_at and [v for _,v in tb['accum_bs']] == rec.hps['accum_bs']
+    assert tb['accumulation_batch_size'] == tb['accum_bs'] # fastxtend's key
     assert [v for _,v in tb['lr_0']] == pytest.approx(rec.hps['lr'], rel=1e-6)
     assert [s for s,_ in tb['valid_loss']] == [ends_at[k] for k in ends]
 
