@@ -196,20 +196,26 @@ def _learner(kind:str, non_blocking:bool):
     dls = DataLoaders.from_dsets(list(zip(x, y)), [], bs=bs, num_workers=0, device=dev)
     learn = Learner(dls, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).to(dev), loss_func=nn.CrossEntropyLoss(), cbs=cbs)
     learn.remove_cb(ProgressCallback); learn.logger = noop
-    if non_blocking: # what a take-over of the accumulating fit's loader would do: host batches, moved by `to_device_non_blocking`
+    learn.library_copies = non_blocking # this library's fits: its loader takeover on (the default) or off (`patches.FAST`)
+    if non_blocking and kind.startswith('fastai'): # fastai's own fits: what that takeover does, by hand
         learn.dls.train.device = None
         learn._set_device = partial(to_device_non_blocking, learn)
     return learn
 
 def per_step(learn, steps_per_epoch:int):
     "Syncs (host reads and blocking copies to the device) per optimizer step: a 2-epoch fit's over a 1-epoch fit's, after a warm-up fit"
-    learn.fit(1)
-    cs = []
-    for n in (1, 2):
-        c = SyncCounter(copies=True)
-        for dl in learn.dls.loaders: pause_loader(dl, c)
-        with c: learn.fit(n)
-        cs.append(c)
+    from fastxtend_accum.patches import FAST
+    saved = dict(FAST)
+    FAST['copies'] = getattr(learn, 'library_copies', True)
+    try:
+        learn.fit(1)
+        cs = []
+        for n in (1, 2):
+            c = SyncCounter(copies=True)
+            for dl in learn.dls.loaders: pause_loader(dl, c)
+            with c: learn.fit(n)
+            cs.append(c)
+    finally: FAST.update(saved)
     d = lambda f: (f(cs[1])-f(cs[0]))/steps_per_epoch
     return d(lambda c: c.total),d(lambda c: c.by_kind[COPY]),cs[1]
 
@@ -225,7 +231,8 @@ def main():
         rows.append([kind, f'{b:.2f}', f'{bc:.2f}', f'{a:.2f}', f'{ac:.2f}'])
     dev = 'a GPU' if torch.cuda.is_available() else 'the CPU (the host standing for the device)'
     print(f"Host syncs per optimizer step (4 micro-batches of 16 a step; fastai alone: a step per micro-batch), counted on {dev};")
-    print("before: fastai's loader copies each batch with non_blocking=False; after: pinned, non_blocking (fastxtend_accum.transfer)")
+    print("before: fastai's loader copies each batch with non_blocking=False; after: pinned, non_blocking (this library's fits take "
+          "their training loader's copies over: `patches`; fastai's own rows: the same by hand)")
     w = max(len(r[0]) for r in rows)
     print(f"{'':{w}}  {'before':>7} {'copies':>7}  {'after':>7} {'copies':>7}")
     for r in rows: print(f"{r[0]:{w}}  {r[1]:>7} {r[2]:>7}  {r[3]:>7} {r[4]:>7}")

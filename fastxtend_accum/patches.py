@@ -15,6 +15,7 @@ from fastcore.basics import GetAttr
 from fastcore.xtras import modify_exception
 from .failfast import stop_peers
 from .messages import warn, linked
+from .transfer import to_device_non_blocking
 
 # %% auto #0
 __all__ = ['FASTAI_TESTED', 'TAKEOVERS', 'ADDED', 'FAST', 'FIT_PARTS', 'FIT_HOOKS', 'takes_over', 'is_fastais', 'AccumView',
@@ -103,7 +104,7 @@ class _Fit:
 
 def _fit_of(learn)->_Fit|None: return vars(learn).get('_fxa_fit')
 
-FAST = dict(dispatch=True, items=True) # the fit class's own event dispatch and item path, where the class's are fastai's (tests turn them off)
+FAST = dict(dispatch=True, items=True, copies=True) # the fit class's own event dispatch, item path and loader copies (tests turn them off)
 FIT_PARTS = [] # classes of Learner methods other modules take over for a fit (`sharded`'s, for a sharded model)
 FIT_HOOKS = [] # functions (learn, fit) other modules run when a fit is taken over (checks, a callback's method for the fit)
 _fit_classes = {} # (the Learner's class, the parts): the class made for its fits
@@ -215,8 +216,11 @@ class FitTakeover:
     def all_batches(self):
         "fastai's `all_batches`; while training, the loader's item path taken over for the epoch (`DataLoader.create_batches`)"
         __tracebackhide__ = True
-        if not self._fast_items or training_owner(self) is None: return super().all_batches()
-        with _item_path(self.dl): return super().all_batches()
+        if training_owner(self) is None: return super().all_batches()
+        with contextlib.ExitStack() as stack:
+            if self._fast_items: stack.enter_context(_item_path(self.dl))
+            if FAST['copies']: stack.enter_context(_copies_non_blocking(self, self.dl))
+            return super().all_batches()
 
     @takes_over('Learner.__call__', "one event name: no `L` built for it")
     def __call__(self, event_name):
@@ -304,6 +308,30 @@ def create_batches(dl:FastaiDataLoader, samps):
         return
     if dl.dataset is not None: dl.it = iter(dl.dataset)
     yield from map(functools.partial(_held_batch, dl), dl.chunkify(_held_items(dl, samps, dl.bs)))
+
+class _CopyThen:
+    "The loader's `after_batch`, run on the batch copied to the model's device pinned and `non_blocking=True` (anything else it has: the loader's own)"
+    def __init__(self, learn, after): self.learn,self.after = learn,after
+    def __call__(self, b): return self.after(to_device_non_blocking(self.learn, b))
+    def __getattr__(self, k): return getattr(self.after, k) # `decode`, `fs`: the Pipeline's
+
+@takes_over('DataLoader.after_batch', "with `device` None for the epoch: the training batches copied to the device pinned and `non_blocking=True`, "
+            "not blocking as fastai's loader does, before `after_batch` as in fastai", how='instance (the training loader, for the epoch)')
+@contextlib.contextmanager
+def _copies_non_blocking(learn, dl):
+    "For the epoch, a fastai training loader with a device copies its batches pinned and `non_blocking=True`: no host sync per micro-batch"
+    d = vars(dl) if isinstance(dl, FastaiDataLoader) else {}
+    key = '_device' if '_device' in d else 'device' # what fastai's `device` property keeps (fastai 2.8.12), or the attribute
+    dev = d.get(key)
+    if dev is None or 'dl' in d: yield; return # none to copy to; a loader that wraps another (`DistributedDL`) copies its own way
+    # (a batch this leaves on the host, a loader's own `__iter__` say, is moved by `Learner._set_device` as in fastai)
+    had,after = 'after_batch' in d,dl.after_batch
+    d[key],d['after_batch'] = None,_CopyThen(learn, after)
+    try: yield
+    finally:
+        d[key] = dev
+        if had: d['after_batch'] = after
+        else: d.pop('after_batch', None)
 
 @contextlib.contextmanager
 def _item_path(dl):

@@ -87,6 +87,7 @@ def test_fit_gives_everything_back():
         for ex in (None, CancelFitException, RuntimeError, KeyboardInterrupt):
             learn = digits_learner(16)
             cbs = learn.cbs.map(lambda cb: (cb, dict(vars(cb))))
+            dl = dict(vars(learn.dls.train))
             try: learn.fit_one_cycle(1, cbs=[GradientAccumulation(64)] + ([Stop(ex, 5)] if ex else []))
             except (RuntimeError, KeyboardInterrupt): pass
             assert type(learn) is Learner and '_fxa_fit' not in vars(learn), (ex, type(learn))
@@ -94,6 +95,8 @@ def test_fit_gives_everything_back():
             for cb,d in cbs: assert not (set(vars(cb)) - set(d)) & events, (ex, type(cb), set(vars(cb)) - set(d))
             for cb,_ in cbs: assert not any(isinstance(v, functools.partial) for v in vars(cb).values()), (ex, cb)
             assert all(p.grad is None or not p.grad.any() for p in learn.model.parameters()), ex
+            for k in ('after_batch', '_device', 'device', 'create_batches'): # the training loader's own, for the epoch only
+                assert vars(learn.dls.train).get(k, 0) is dl.get(k, 0), (ex, k)
         diff, added = changed(before, snapshot())
         assert not diff and not [k for k in added if len(k) == 3], (diff, added)
         print('ok')

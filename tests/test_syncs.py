@@ -194,8 +194,9 @@ def test_copies_counted_while_paused_once_per_tensor():
 @pytest.mark.parametrize('kind', ['GA', 'schedule', 'MicroBatching'])
 def test_loader_copies_per_step_before_and_after(kind):
     """fastai's loader copies each micro-batch's x and y with `non_blocking=False`: 2 blocking copies a micro-batch (8 a step of 4;
-    MicroBatching's loader yields the whole batch: 2). Moved by `to_device_non_blocking` instead: none, and at most one sync a
-    step is left (fastai's Recorder), none with RecordOnDevice (one an epoch)"""
+    MicroBatching's loader yields the whole batch: 2), as they do with the library's loader takeover turned off. With it, as
+    the library's fits run by default (`to_device_non_blocking`): none, and at most one sync a step is left (fastai's
+    Recorder), none with RecordOnDevice (one an epoch)"""
     from syncs import _learner, per_step
     n,copies,c = per_step(_learner(kind, False), 4)
     assert copies == (2 if kind == 'MicroBatching' else 8), c.report()
