@@ -40,7 +40,7 @@ def targets():
     from fastcore.basics import GetAttr
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
     import fastxtend_accum.patches as patches, fastxtend_accum.window as window
-    t = [("fastai's loader (the next batch)", Learner, 'all_batches'),
+    t = [("fastai's loader (the next batch)", patches.FitTakeover, 'all_batches'),
          ("fastai's loader (the next batch)", DataLoader, 'create_batch'),
          ("fastai's loader (the next batch)", DataLoader, 'do_batch'),
          ('batch to device, split', Learner, '_set_device'), ('batch to device, split', Learner, '_split'),
@@ -51,22 +51,22 @@ def targets():
          ('backward (autograd)', Learner, '_backward'),
          ('optimizer step (per window)', Optimizer, 'step'),
          ('zero_grad (per window)', Optimizer, 'zero_grad'),
-         ("event dispatch (the library's, while accumulating: Learner.__call__/_call_one, _Dispatch)", Learner, '__call__'),
-         ("event dispatch (the library's, while accumulating: Learner.__call__/_call_one, _Dispatch)", Learner, '_call_one'),
+         ("event dispatch (the library's, while accumulating: Learner.__call__/_call_one, _Dispatch)", patches.FitTakeover, '__call__'),
+         ("event dispatch (the library's, while accumulating: Learner.__call__/_call_one, _Dispatch)", patches.FitTakeover, '_call_one'),
          ("event dispatch (the library's, while accumulating: Learner.__call__/_call_one, _Dispatch)", patches._Dispatch, '__call__'),
          ("Callback.__getattr__ fallthrough to the Learner", GetAttr, '__getattr__'),
          ("Callback.__setattr__ shadowing check", Callback, '__setattr__'),
          ('TrainEvalCallback (fastai)', TrainEvalCallback, 'before_batch'),
          ('TrainEvalCallback (fastai)', TrainEvalCallback, 'after_batch'),
-         ('Recorder.after_batch (as patched by the library) + AvgSmoothLoss/AvgLoss', Recorder, 'after_batch'),
-         ('Recorder.after_batch (as patched by the library) + AvgSmoothLoss/AvgLoss', AvgSmoothLoss, 'accumulate'),
-         ('Recorder.after_batch (as patched by the library) + AvgSmoothLoss/AvgLoss', AvgLoss, 'accumulate'),
+         ("Recorder.after_batch (the fit's, see patches) + AvgSmoothLoss/AvgLoss", patches._ADAPTERS, '_recorder_after_batch'),
+         ("Recorder.after_batch (the fit's, see patches) + AvgSmoothLoss/AvgLoss", AvgSmoothLoss, 'accumulate'),
+         ("Recorder.after_batch (the fit's, see patches) + AvgSmoothLoss/AvgLoss", AvgLoss, 'accumulate'),
          ('Recorder.before_batch/after_* other', Recorder, 'before_train'),
-         ("library: Learner.one_batch/_do_grad_opt patches + callback lookups", Learner, 'one_batch'),
-         ("library: Learner.one_batch/_do_grad_opt patches + callback lookups", Learner, '_do_grad_opt'),
-         ("library: Learner.one_batch/_do_grad_opt patches + callback lookups", patches, 'accum_callback'),
-         ("library: Learner.one_batch/_do_grad_opt patches + callback lookups", patches, 'batch_taker'),
-         ("library: Learner.one_batch/_do_grad_opt patches + callback lookups", patches, 'accum_logger'),
+         ("library: the fit class's one_batch/_do_grad_opt + callback lookups", patches.FitTakeover, 'one_batch'),
+         ("library: the fit class's one_batch/_do_grad_opt + callback lookups", patches.FitTakeover, '_do_grad_opt'),
+         ("library: the fit class's one_batch/_do_grad_opt + callback lookups", patches, 'accum_callback'),
+         ("library: the fit class's one_batch/_do_grad_opt + callback lookups", patches, 'batch_taker'),
+         ("library: the fit class's one_batch/_do_grad_opt + callback lookups", patches, 'accum_logger'),
          ('library: micro_batch (count where yielded: _yielded, Window.add_yielded)', GradientAccumulation, 'micro_batch'),
          ('library: micro_batch (count where yielded: _yielded, Window.add_yielded)', GradientAccumulation, '_yielded'),
          ('library: micro_batch (count where yielded: _yielded, Window.add_yielded)', window.Window, 'add_yielded'),
@@ -84,7 +84,7 @@ def targets():
         ]
     try:
         from fastai.callback.schedule import ParamScheduler
-        t += [('ParamScheduler (as patched)', ParamScheduler, 'before_batch'), ('ParamScheduler (as patched)', ParamScheduler, 'after_batch')]
+        t += [("ParamScheduler (the fit's after_batch)", ParamScheduler, 'before_batch'), ("ParamScheduler (the fit's after_batch)", patches._ADAPTERS, '_sched_after_batch')]
     except ImportError: pass
     return t
 
@@ -107,13 +107,19 @@ class SectionTimer:
         return timed
     def install(self, targets):
         for label,owner,name in targets:
+            if isinstance(owner, list): # `patches._ADAPTERS`: a fastai callback's method for an accumulating fit, by its function's name
+                for i,(m,c,n,f) in enumerate(owner):
+                    if f.__name__ == name: self.saved.append((owner, i, owner[i])); owner[i] = (m, c, n, self.wrap(label, f))
+                continue
             if name not in vars(owner): continue # inherited: timed where it is defined
             f = vars(owner)[name]
             self.saved.append((owner, name, f))
             setattr(owner, name, self.wrap(label, f))
         return self
     def remove(self):
-        for owner,name,f in reversed(self.saved): setattr(owner, name, f)
+        for owner,name,f in reversed(self.saved):
+            if isinstance(owner, list): owner[name] = f
+            else: setattr(owner, name, f)
         self.saved = []
     def overhead_ns(self, n=20000)->float:
         "The timer's own cost per wrapped call (an empty function inside a timed one), in ns"

@@ -141,6 +141,9 @@ def take_over(learn:Learner, # The Learner whose fit starts
     if fit is None:
         vars(learn)['_fxa_fit'] = fit = _Fit(type(learn))
         learn.__class__ = fit_class(type(learn))
+    if sum(o is owner for o in learn.cbs) > 1: # the fit class's `remove_cbs` leaves it attached as it was
+        raise ValueError(linked(f"This {type(owner).__name__} is passed to `fit(cbs=...)` but is already attached to the Learner "
+                                "(`Learner(cbs=...)` or `add_cb`): it would count every micro-batch twice. Pass it once", 'two-accumulations'))
     fit.owners[key] = owner
     try:
         for hook in FIT_HOOKS: hook(learn, fit)
@@ -250,8 +253,10 @@ class FitTakeover:
         "fastai's `remove_cbs`; at the end of a fit that raised, everything given back, and other processes told (`failfast`)"
         __tracebackhide__ = True
         e = sys.exc_info()[1]
+        kept = [cb for cb in L(cbs) if sum(o is cb for o in self.cbs) > 1] # passed to `fit` and attached: it stays attached
         try: return super().remove_cbs(cbs)
         finally:
+            for cb in kept: cb.learn = self; setattr(self, cb.name, cb)
             if e is not None and _fit_of(self) is not None: _raised(self, e)
 
     @takes_over('Learner.__reduce_ex__', "pickled during the fit (`export` from a callback), the Learner is its own class")
