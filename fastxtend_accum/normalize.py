@@ -201,7 +201,12 @@ def _yields_as_held(dl)->bool:
 
 def _own_batch_code(dl, tfm_ok:Callable)->bool:
     "Whether fastai's loader `dl` makes its batches with code of its own: a batch method passed to it, or a transform `tfm_ok` refuses"
-    own = vars(dl) # fastai's `DataLoader` takes its methods as arguments: an instance's own
+    own = {} # fastai's `DataLoader` takes its methods as arguments: an instance's own
+    for k in (*_BATCH_METHODS, *_BATCH_TFMS):
+        v = vars(dl).get(k)
+        d = getattr(v, '__dict__', None)
+        if d is not None and '_fxa_own' in d: v = d['_fxa_own'] # an accumulating fit's takeover, for the epoch (`patches`): the loader's own
+        if v is not None: own[k] = v
     if any(m in own for m in _BATCH_METHODS): return True
     return not all(m not in own or (isinstance(own[m], Pipeline) and all(tfm_ok(t) for t in own[m].fs)) for m in _BATCH_TFMS)
 

@@ -30,7 +30,7 @@ _FASTAI_DIR = os.path.dirname(fastai.__file__) + os.sep
 
 def takes_over(name:str, # 'Class.method', as fastai names it
                why:str, # What the takeover changes, for the table
-               how:str='the fit class', # How it is installed: 'the fit class' (the Learner's), 'instance' (a callback's, a loader's)
+               how:str='the fit class', # 'the fit class', or 'instance' (a callback's, a loader's)
               ):
     "Decorator: register the function as the takeover of fastai's `name` during an accumulating fit"
     def _inner(f):
@@ -126,8 +126,8 @@ def _overridden(learn:Learner, cls:type, names)->list[str]:
     return [n for n in names if n in vars(learn) or not is_fastais(getattr(cls, n, None))]
 
 def take_over(learn:Learner, # The Learner whose fit starts
-              owner, # The callback (or part) taking over: `learn`'s fit holds it until the fit ends
-              key:str='accum', # What it takes over: 'accum' (an accumulation callback), 'sharded' (a sharded model)
+              owner, # The callback (or part) taking over: the fit holds it until it ends
+              key:str='accum', # 'accum' (an accumulation callback) or 'sharded' (a sharded model)
              ):
     "At a fit's start, switch `learn` to the fit class (once per fit) and register `owner`; raise if its class overrides what `owner` takes over"
     fit = _fit_of(learn)
@@ -316,7 +316,7 @@ def create_batches(dl:FastaiDataLoader, samps):
 
 class _CopyThen:
     "The loader's `after_batch`, run on the batch copied to the model's device pinned and `non_blocking=True` (anything else it has: the loader's own)"
-    def __init__(self, learn, after): self.learn,self.after = learn,after
+    def __init__(self, learn, after, own): self.learn,self.after,self._fxa_own = learn,after,own # `_fxa_own`: the loader's own, if any
     def __call__(self, b): return self.after(to_device_non_blocking(self.learn, b))
     def __getattr__(self, k): return getattr(self.after, k) # `decode`, `fs`: the Pipeline's
 
@@ -331,7 +331,7 @@ def _copies_non_blocking(learn, dl):
     if dev is None or 'dl' in d: yield; return # none to copy to; a loader that wraps another (`DistributedDL`) copies its own way
     # (a batch this leaves on the host, a loader's own `__iter__` say, is moved by `Learner._set_device` as in fastai)
     had,after = 'after_batch' in d,dl.after_batch
-    d[key],d['after_batch'] = None,_CopyThen(learn, after)
+    d[key],d['after_batch'] = None,_CopyThen(learn, after, after if had else None)
     try: yield
     finally:
         d[key] = dev
@@ -344,7 +344,9 @@ def _item_path(dl):
     global _direct
     dls = [o for o in (dl, getattr(dl, '__dict__', {}).get('dl')) if isinstance(o, FastaiDataLoader) and _fastais(o, 'create_batches')]
     prev,_direct = _direct,tuple(dls)
-    for o in dls: vars(o)['create_batches'] = functools.partial(create_batches, o)
+    for o in dls:
+        f = vars(o)['create_batches'] = functools.partial(create_batches, o)
+        f._fxa_own = None # the loader has none of its own (`normalize` reads the loader as the user made it)
     try: yield
     finally:
         for o in dls: vars(o).pop('create_batches', None)
@@ -440,7 +442,7 @@ def _dispatch(learn:Learner, event_name)->_Dispatch|None:
 # %% ../nbs/patches.ipynb #5cabd110
 _ADAPTERS = [] # (fastai module, class name, method, the function taking (callback, accumulation callback))
 
-def adapts(module:str, # The fastai module that defines the class (looked up in `sys.modules`: never imported here)
+def adapts(module:str, # The fastai module defining the class (looked up, never imported here)
            cls:str, # The callback class
            name:str, # Its method
            why:str, # What the takeover changes, for the table

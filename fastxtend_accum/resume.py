@@ -69,13 +69,13 @@ def _digest(obj, h=None)->str:
     else: h.update(pickle.dumps(obj, protocol=4))
     return h.hexdigest() if top else None
 
-def save_checkpoint(ck:dict, # The checkpoint: its `sha256` is added
+def save_checkpoint(ck:dict, # The checkpoint: its sha256 is added
                     path:Path|str, # Where
                    ):
     "Write `ck` with the checksum of its contents (`atomic_save`)"
     atomic_save(dict(ck, sha256=_digest(ck)), path)
 
-def read_checkpoint(path:Path|str, # A file `save_checkpoint` wrote
+def read_checkpoint(path:Path|str, # A file save_checkpoint wrote
                    )->dict:
     "The checkpoint in `path`, checked whole: a `CheckpointError` that says whether it is truncated, corrupted or of another version"
     path = Path(path)
@@ -125,7 +125,7 @@ def _optimizer(learn)->str:
 
 _SETTINGS = ('accum_bs', 'global_bs', 'micro_bs', 'n_acc', 'start_accum_bs', 'final_accum_bs', 'start', 'finish', 'drop_last')
 
-def run_record(learn:Learner, # At `before_fit`, before any callback changed the optimizer's hyper-parameters
+def run_record(learn:Learner, # At before_fit, before a callback changed the optimizer's hyper-parameters
               )->dict:
     "What a fit trains, as a resume must find it again: the accumulation, the data, the optimizer, the schedule and the versions"
     accum = {type(cb).__name__: {k: _value(getattr(cb, k)) for k in _SETTINGS if hasattr(cb, k)} for cb in learn.cbs
@@ -155,7 +155,7 @@ def _flat(d:dict, pre:tuple=())->dict:
         else: res[pre+(k,)] = v
     return res
 
-def record_differences(saved:dict, # `run_record` of the checkpoint's fit
+def record_differences(saved:dict, # run_record of the checkpoint's fit
                        now:dict, # ...and of the fit that would resume it
                        ignore:tuple=(), # Keys not compared
                       )->list[str]:
@@ -176,8 +176,8 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
     def __init__(self,
         fname:str='checkpoint', # File in learn.path/learn.model_dir, without '.pth'
         resume:bool=True, # Resume when a fit starts and the file holds this run
-        run_id:str|None=None, # The run's name, saved in the file: a file of another run is refused, not resumed
-        ignore:tuple=(), # Keys of `run_record` not compared on resume (e.g. 'versions')
+        run_id:str|None=None, # The run's name, saved in the file: another run's file is refused
+        ignore:tuple=(), # Keys of run_record not compared on resume (e.g. 'versions')
     ):
         store_attr()
         self.i_fit,self.records = 0,[] # this callback's training fits done (the next fit's index), and their `run_record`s

@@ -432,7 +432,8 @@ def sharded_ctx(self:Learner,
         if started: dist.destroy_process_group()
 
 # %% ../nbs/sharded.ipynb #1140fc44
-def zero_grad_views(opt:Optimizer):
+def zero_grad_views(opt:Optimizer, # fastai's optimizer, on a model FSDP1 shards
+                   ):
     "fastai's `zero_grad`, for gradients that are views too (FSDP1's), which fastai's in-place `detach_` refuses"
     for p,*_ in opt.all_params(with_grad=True):
         g = p.grad
@@ -452,7 +453,7 @@ def clip_grad_norm(model:nn.Module, # The model, as the Learner holds it
     "Clip `model`'s gradients by their norm over the whole model, every process's shard for a sharded one, and return that norm"
     return _clip(model, layout_of(model), max_norm, norm_type)
 
-def clip_step(cb, # fastai's `GradientClip`
+def clip_step(cb, # fastai's GradientClip
               found:dict, # The fit's: the model and its layout, found at the fit's first step
              ):
     "`GradientClip.before_step` for a sharded model: clip by the norm over every process's shard"
@@ -506,7 +507,7 @@ class _FullOpt:
 FIT_PARTS.append(ShardedFit)
 
 # %% ../nbs/sharded.ipynb #9700692a
-def sharded_fit(learn:Learner, # The Learner whose fit is taken over (`patches.take_over`)
+def sharded_fit(learn:Learner, # The Learner whose fit is taken over (patches.take_over)
                 fit, # Its takeovers, removed when the fit ends
                ):
     "For a fit on a sharded model: refuse fastai's DDP over it, and give fastai's optimizer and `GradientClip` their sharded methods"

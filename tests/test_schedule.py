@@ -200,7 +200,7 @@ def test_bad_input():
     _fails(lambda: G(32, 64, start=3, finish=2), '`start`=3 is after `finish`=2')
     _fails(lambda: G(32, 64, finish=1.2), '`finish`=1.2 is beyond training')
     _fails(lambda: G(32, 64, finish='end'), '`finish` must be a float (fraction of training) or an int (epoch index)')
-    _fails(lambda: G(32, 64, schedule=None), '`schedule` must be a fastai annealer')
+    _fails(lambda: G(32, 64, schedule=3), '`schedule` must be a fastai annealer')
     _fails(lambda: G(32, 64, schedule=SchedCos(32, 64)), '`schedule` must be called as `schedule(start, end)`')
     # what needs the fit: its epochs, and the micro-batch size
     _fails(lambda: fit(G(32, 64, start=1, finish=0.2), 2, 500), '`start`=1 is after `finish`=0.2')

@@ -44,7 +44,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         final_accum_bs:int, # Samples per optimizer step from finish on (may be smaller)
         start:float|int=0, # Where it starts: a fraction of training, or an epoch (int)
         finish:float|int=0.3, # Where it reaches final_accum_bs: a fraction, or an epoch
-        schedule:Callable|None=None, # A fastai annealer: schedule(start, end)(pct); None: SchedCos
+        schedule:Callable|None=None, # A fastai annealer, schedule(start, end); None: SchedCos
         micro_batch_size:int|None=None, # Samples per micro-batch; None: the loader's
         log_accum_batch:bool=True, # Record losses, hps and progress once per step
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
