@@ -22,6 +22,7 @@ MB = 2**20
 
 def learner(accum_dtype, opt:str, hidden:int, micro_bs:int, k:int, n_train:int, probe=None):
     from fastai.basics import Learner, SGD, Adam
+    import fastai.callback.progress # `Learner.no_bar` (the library imports none of fastai's callback modules)
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
     x,y = digits_tensors(n_train, dtype=torch.bfloat16)
     model = mlp(hidden, 2).to(torch.bfloat16)

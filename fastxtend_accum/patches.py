@@ -461,10 +461,12 @@ def fastai_class(module:str, name:str):
 def callback_methods(learn:Learner, # The Learner whose fit starts
                      acc, # The accumulation callback
                      fit:_Fit, # The fit's takeovers, which removes them when the fit ends
+                     only:set|None=None, # The 'Class.method' to give (None: all)
                     ):
     "Give `learn`'s fastai callbacks the methods that record once per optimizer step, for the fit"
     for cb in learn.cbs:
         for module,cname,name,f in _ADAPTERS:
+            if only is not None and f'{cname}.{name}' not in only: continue
             c = fastai_class(module, cname)
             # the method `cb` runs is the one this adapter is for: fastai's, of this class (`LRFinder`'s, not `ParamScheduler`'s)
             if c is not None and isinstance(cb, c) and getattr(type(cb), name, None) is vars(c).get(name) and is_fastais(vars(c).get(name)):

@@ -155,7 +155,8 @@ class MicroBatching(BatchSplitter):
     def before_fit(self):
         "Take over the training batches' forward and backward; 'auto' and 'fastest' start again from the whole batch"
         check_one_accumulation(self) # another MicroBatching, or a GradientAccumulation (this library's or fastai's)
-        take_over(self.learn, self) # the Learner's fit class, until the fit ends (`patches`)
+        fit = take_over(self.learn, self) # the Learner's fit class, until the fit ends (`patches`)
+        callback_methods(self.learn, self, fit, only={'WandbCallback.before_fit'}) # its batches are steps: fastai's records, W&B's config fixed
         self.taking_batches = True # `Learner.one_batch` (the fit class) hands training batches to `train_batch`
         self.fgrads.attach(self.learn.model)
         self.limit = self.micro_bs if isinstance(self.micro_bs, int) else None # largest micro-batch; `None`: the whole batch
