@@ -52,7 +52,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         finish:float|int=0.3, # Where it reaches final_accum_bs: a fraction, or an epoch
         schedule:Callable=SchedCos, # A fastai annealer: schedule(start, end)(pct)
         micro_batch_size:int|None=None, # Samples per micro-batch; None: the loader's
-        **kwargs, # GradientAccumulation's: global_bs, log_accum_batch, drop_last, normalize_by, grad_sync, accum_dtype
+        **kwargs, # GradientAccumulation's: global_bs, log_accum_batch, drop_last, normalize_by, grad_sync, accum_dtype, verbose
     ):
         start_accum_bs = check_positive_int('start_accum_bs', start_accum_bs)
         final_accum_bs = check_size('final_accum_bs', check_positive_int('final_accum_bs', final_accum_bs))
