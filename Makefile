@@ -18,7 +18,7 @@ TORCH_INDEX ?=
 # $(call torch,ENV,PINS): PINS (pip arguments) from the index tools/torch_index.py picks
 torch = opts=$$($(PY) tools/torch_index.py "$(TORCH_INDEX)") && $(1)/bin/pip install -qq $$opts $(2)
 
-.PHONY: env check-locks check-pins demo test export check-export notebooks readme check-readme check-wheel docs nbtest pytest bench clean
+.PHONY: env check-locks check-pins demo test test-quick export check-export notebooks readme check-readme check-wheel docs nbtest pytest bench clean
 
 env: $(NBDEV_ENV)/.installed $(USER_ENV)/.installed
 
@@ -103,17 +103,37 @@ docs: $(NBDEV_ENV)/.installed
 		echo "(https://quarto.org/docs/get-started/), run 'make docs' again, or 'cd _proc && quarto render'."; \
 	fi
 
+# pytest: every test in the users' .venv (fastai 2.8.12), as two processes: the multi-process tests (torchrun launches,
+# much of it start-up and waiting) and the in-process ones. In .venv-nbdev (fastai 2.8.7, fastcore 1.x) only the tests whose
+# outcome depends on that fastai: not `multiprocess` (torch, Accelerate and fastai.distributed are the same code in both
+# environments; the in-process tests cover the library's fastai side there), not `one_env` (the library's source and docs,
+# the benchmarks, which `make bench` runs in .venv). The markers are registered in tests/conftest.py. tools/jobs.py runs
+# the processes $(JOBS) at a time and shows each one's output, with its time, when it ends.
+# `make test-quick` leaves out the slow and the multi-process tests.
+JOBS ?= 2
+PYTEST := -m pytest tests -q -p no:cacheprovider --strict-markers
+PYTEST_USERS_MP := $(USER_ENV)/bin/python $(PYTEST) -m multiprocess
+PYTEST_USERS := $(USER_ENV)/bin/python $(PYTEST) -m 'not multiprocess'
+PYTEST_NBDEV := $(NBDEV_ENV)/bin/python $(PYTEST) -m 'not multiprocess and not one_env'
+NBTEST := OMP_NUM_THREADS=1 $(NBDEV_ENV)/bin/nbdev_test --n_workers 2 --do_print
+
 # tiny models: one thread each is faster than two fighting, and notebooks run two at a time
 nbtest: $(NBDEV_ENV)/.installed
 	mkdir -p $(WANDB_DIR)
-	OMP_NUM_THREADS=1 $(NBDEV_ENV)/bin/nbdev_test --n_workers 2 --do_print
+	$(NBTEST)
 
 pytest: env
 	mkdir -p $(WANDB_DIR)
-	$(NBDEV_ENV)/bin/python -m pytest tests -q -p no:cacheprovider
-	$(USER_ENV)/bin/python -m pytest tests -q -p no:cacheprovider
+	$(USER_ENV)/bin/python tools/jobs.py -j $(JOBS) "$(PYTEST_USERS_MP)" "$(PYTEST_USERS)" "$(PYTEST_NBDEV)"
 
-test: env check-pins check-export check-readme check-wheel nbtest pytest
+test-quick: $(USER_ENV)/.installed
+	mkdir -p $(WANDB_DIR)
+	$(USER_ENV)/bin/python $(PYTEST) -m 'not slow and not multiprocess'
+
+# the checks that rewrite files (export, readme) first; then the notebooks and the pytest processes, $(JOBS) at a time
+test: env check-pins check-export check-readme check-wheel
+	mkdir -p $(WANDB_DIR)
+	$(USER_ENV)/bin/python tools/jobs.py -j $(JOBS) "$(PYTEST_USERS_MP)" "$(NBTEST)" "$(PYTEST_USERS)" "$(PYTEST_NBDEV)"
 
 # bench/run.py runs in the users' .venv; its peers.py (Lightning, Accelerate, fastxtend beside this library) in .venv-bench
 bench: $(USER_ENV)/.installed $(BENCH_ENV)/.installed

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 # %% auto #0
 __all__ = ['DOCS_URL', 'LIBRARY_PACKAGES', 'user_stacklevel', 'doc_link', 'linked', 'warn', 'batchnorm_layers', 'batchnorm_fix',
-           'batchnorm_message', 'small_accum_message']
+           'batchnorm_message', 'small_accum_message', 'dropped_tail_message']
 
 # %% ../nbs/messages.ipynb #bb7237ac
 DOCS_URL = 'https://fastxtend-accum.github.io/fastxtend_accum/troubleshooting.html'
@@ -80,3 +80,16 @@ def small_accum_message(accum_bs:int, # The window's target, in samples
     return (f"{name}: accum_bs={accum_bs} is smaller than a micro-batch of {micro_bs} samples, so every window holds a "
             f"single micro-batch and nothing accumulates. `accum_bs` counts samples, not micro-batches: for {accum_bs} "
             f"micro-batches of {micro_bs} samples, use accum_bs={accum_bs*micro_bs}")
+
+# %% ../nbs/messages.ipynb #d7a11e02
+def dropped_tail_message(plan, # The epoch's WindowPlan, or None (sizes not known ahead)
+                         name:str='GradientAccumulation', # The callback, as the user wrote it
+                        )->str|None:
+    "The warning for an epoch whose short last window `drop_last` discards, when it holds more than a micro-batch; else None"
+    if plan is None or plan.drop_from is None: return None
+    dropped,total = sum(plan.sizes[plan.drop_from:]),sum(plan.sizes)
+    if dropped <= max(plan.sizes): return None
+    return (f"{name}: each epoch's last {dropped} samples ({dropped/total:.0%} of the {total} the training loader yields) "
+            f"fill less than a window, and drop_last=True (the training loader's, unless you pass one) discards that window: "
+            f"they are never trained on, as batches of accum_bs would drop them. Pass {name}(..., drop_last=False) to "
+            f"train on them in a short last window")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 __all__ = ['PAD', 'IGNORE', 'VOCAB', 'digits_data', 'Samples', 'digits_dls', 'digits_mlp', 'Float64SmoothLoss', 'digits_learner',
            'max_param_diff', 'encode', 'text_lines', 'text_samples', 'pad_batch', 'text_dl', 'text_dls', 'CharGRU',
            'CausalLM', 'token_loss', 'text_learner', 'FirstStepGrad', 'first_step_table', 'fit_digits', 'plot_runs',
-           'runs_table', 'digits_default_dls', 'TrainingRecord', 'global_order', 'Replay']
+           'runs_table', 'digits_default_dls', 'TrainingRecord', 'global_order', 'Replay', 'torchvision_stand_in']
 
 # %% ../nbs/test_utils.ipynb #59e9c98b
 def digits_data(dtype=torch.float64):
@@ -362,3 +362,22 @@ class Replay(FastaiDataLoader):
         if self.i_epoch >= len(self.orders): raise IndexError(f"Replay holds {len(self.orders)} epochs' orders, and a fit asked for more")
         self.i_epoch += 1
         return list(self.orders[self.i_epoch-1])
+
+# %% ../nbs/test_utils.ipynb #b2e0c002
+def torchvision_stand_in()->dict:
+    "Modules, by name, for `sys.modules`: the parts of torchvision that `fastai.vision.all` reads at import"
+    names = ['resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet152', 'squeezenet1_0', 'squeezenet1_1', 'densenet121',
+             'densenet169', 'densenet161', 'densenet201', 'vgg11_bn', 'vgg13_bn', 'vgg16_bn', 'vgg19_bn', 'alexnet']
+    def module(name, **attrs):
+        m = types.ModuleType(name); m.__dict__.update(attrs)
+        return m
+    def stand_in(name, mod):
+        def f(*args, **kwargs): raise NotImplementedError(f'{mod}.{name}: a stand-in for torchvision (test_utils.torchvision_stand_in)')
+        f.__name__,f.__qualname__,f.__module__ = name,name,mod
+        return f
+    models = module('torchvision.models', __all__=names, **{n: stand_in(n, 'torchvision.models') for n in names})
+    functional = module('torchvision.transforms.functional', pad=stand_in('pad', 'torchvision.transforms.functional'))
+    transforms = module('torchvision.transforms', functional=functional)
+    tv = module('torchvision', __version__='0.0.0+stand.in', models=models, transforms=transforms)
+    return {'torchvision': tv, 'torchvision.models': models, 'torchvision.transforms': transforms,
+            'torchvision.transforms.functional': functional}

@@ -49,3 +49,15 @@ class Overflow(Callback):
     def after_backward(self):
         if self.seen <= self.at < self.seen+find_bs(self.yb): next(self.model.parameters()).grad[0,0] = float('inf')
         self.seen += find_bs(self.yb)
+
+def import_library_module(name:str):
+    """`importlib.import_module(name)`; a `vision` module with torchvision stood in (it does not import with this machine's CPU
+    torch, see NOTES), then the stand-in and fastai's vision modules taken out of `sys.modules` again"""
+    import importlib, sys
+    if '.vision' not in name: return importlib.import_module(name)
+    from fastxtend_accum.test_utils import torchvision_stand_in
+    sys.modules.update(torchvision_stand_in())
+    try: return importlib.import_module(name)
+    finally:
+        for k in [k for k in sys.modules if k.split('.')[0] == 'torchvision' or k.startswith(('fastai.vision', 'fastxtend_accum.vision'))]:
+            del sys.modules[k]

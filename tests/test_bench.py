@@ -4,6 +4,7 @@ asserted here: the targets are judged in the benchmarks' own output (`make bench
 import json, os, re, subprocess, sys
 from pathlib import Path
 import pytest
+pytestmark = [pytest.mark.slow, pytest.mark.one_env]
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT/'bench'

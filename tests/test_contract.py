@@ -151,6 +151,7 @@ def reference_temperatures(case:str)->tuple[list,int,list]:
             steps += 1
     return [p.detach() for p in model.parameters()],steps,[t.item() for t in ts]
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize('case', list(W.CASES))
 def test_cancels_on_any_process_keep_replicas_on_the_global_windows(runs, case):
     """Cancels on every process or on one, and (`W.OTHER`) a before_backward term at orders 0, 10, 60, a sum-reduced loss and

@@ -7,6 +7,7 @@ hand): against one process over `DistributedSampler(num_replicas=1)` with batche
 The worker is `dealing_worker.py`."""
 import os, subprocess, sys
 import pytest, torch
+pytestmark = [pytest.mark.multiprocess]
 from test_distributed import free_port, ENV, HERE
 
 WORKER = os.path.join(HERE, 'dealing_worker.py')

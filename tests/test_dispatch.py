@@ -141,6 +141,7 @@ def test_same_exception_as_fastai(name):
     assert fast == slow
     assert lf not in patches._plans # nothing holds the Learner after a fit that raised
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', list(SPLITTERS))
 def test_learners_are_freed(name):
     "Nothing of the library keeps a Learner (and its model, on a GPU its memory) alive: built only, or after a fit and get_preds"

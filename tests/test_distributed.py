@@ -2,6 +2,7 @@
 global batches, in float64, with one gradient all-reduce per optimizer step. The workers are `ddp_worker.py`."""
 import os, socket, subprocess, sys
 import pytest, torch
+pytestmark = [pytest.mark.multiprocess]
 from fastai.basics import *
 import ddp_worker as W
 from fastxtend_accum.test_utils import global_order, Replay, digits_default_dls
@@ -212,6 +213,7 @@ def check_default_runs(res, how):
         assert max_diff(r0['params'], r1['params']) < 1e-12
         for r in (r0, r1): assert not [w for w in r['warnings'] if 'mid-window' in w or 'not known ahead' in w], r['warnings']
 
+@pytest.mark.slow
 def test_accelerate_launch(tmp_path):
     """The documented `accelerate launch`, with no config file (HF_HOME in the test's tmp dir): 2 processes on gloo, the
     `samples` case and each callback on fastai's default loaders under `distrib_ctx`"""
@@ -230,6 +232,7 @@ def _nbclient():
 
 @pytest.mark.skipif(_nbclient() is None, reason="nbclient and ipykernel (a Jupyter kernel) are installed in the notebook "
                     "toolchain's environment (.venv-nbdev) only: this test runs there")
+@pytest.mark.slow
 def test_notebook_launcher(tmp_path):
     """`notebook_launcher(train, num_processes=2)` with `distrib_ctx(in_notebook=True)`, from a notebook that a real Jupyter
     kernel executes (`tests/notebook_launcher.ipynb`): each callback on fastai's default loaders equals one process on the

@@ -2,6 +2,8 @@
 import ast, importlib, inspect, json, re
 from pathlib import Path
 import pytest
+pytestmark = [pytest.mark.one_env]
+from helpers import import_library_module
 from fastcore.docments import docments
 from fastxtend_accum._modidx import d as modidx
 
@@ -10,7 +12,7 @@ MODULES = sorted(modidx['syms'])
 
 def public_symbols():
     for modname in MODULES:
-        mod = importlib.import_module(modname)
+        mod = import_library_module(modname)
         for name in getattr(mod, '__all__', []):
             yield modname, name, getattr(mod, name)
 

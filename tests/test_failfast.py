@@ -4,6 +4,7 @@ catches it; before, a caught error left them in a collective until the process-g
 `failfast_worker.py`."""
 import json, os, subprocess, sys, time
 import pytest
+pytestmark = [pytest.mark.multiprocess]
 from test_distributed import free_port, ENV, HERE
 
 WORKER = os.path.join(HERE, 'failfast_worker.py')

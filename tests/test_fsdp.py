@@ -4,6 +4,7 @@ stepping on the global windows, in float64 within 1e-8, with the collectives eac
 `fsdp_worker.py`; `python tests/test_fsdp.py` prints every case's figures."""
 import os, subprocess, sys
 import pytest, torch
+pytestmark = [pytest.mark.multiprocess]
 from fastai.basics import *
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -55,6 +55,7 @@ EXPECTED = {
     'gas_indivisible_dealt': [128, 128, 128, 160, 192, 224, 128],
 }
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize('case', TRAINED)
 def test_same_steps_samples_and_lr(runs, case):
     "One process and two: the same optimizer steps in each epoch, the same samples in each, the same lr for each"
@@ -71,6 +72,7 @@ def test_same_steps_samples_and_lr(runs, case):
         if case.startswith('gas'): assert r['hps_accum_bs'] == one['hps_accum_bs'] == held # the Recorder's record
     assert len(set(lr for _,_,lr in one['steps'])) > len(held)//2 # fit_one_cycle: the lr changes from step to step
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize('case', [c for c in TRAINED if c.endswith('_dealt')])
 def test_same_global_windows_same_weights(runs, case):
     "On the same global windows (the two processes' windows are dealt from one process's order, `dealing`), the same weights"
@@ -83,6 +85,7 @@ def test_same_global_windows_same_weights(runs, case):
     assert max(float((p-q).abs().max()) for p,q in zip(r0['params'], r1['params'])) < 1e-12
     assert r0['losses'] == pytest.approx(one['losses'], rel=0, abs=1e-10) # rank 0 logs the global window's loss
 
+@pytest.mark.multiprocess
 def test_world_size_is_known_at_before_fit(runs):
     """The world size the sizes are planned with at `before_fit` (torch.distributed's default group, before fastai's
     DistributedTrainer wraps the model) is the engine's at `before_train`; lr_find's `epochs_for`, asked after the wrap,
@@ -96,6 +99,7 @@ def test_world_size_is_known_at_before_fit(runs):
             assert (r['ws_fit'], r['ws_train']) == (2, [(2, 2, 'DistributedDataParallel')]*G.N_EPOCH)
     assert res['ga'][1][0]['epochs_for_10'] == res['ga'][2][0]['epochs_for_10'] == res['ga'][2][1]['epochs_for_10'] == 2
 
+@pytest.mark.multiprocess
 def test_distrib_ctx_sets_up_the_process_group_before_the_fit(tmp_path):
     """A script that leaves the process group to `distrib_ctx` (fastai's DistributedTrainer builds an `Accelerator`, which
     sets it up when `distrib_ctx` is entered, before `fit`): the world size is known at `before_fit` all the same"""
@@ -106,6 +110,7 @@ def test_distrib_ctx_sets_up_the_process_group_before_the_fit(tmp_path):
         assert (res['ws_fit'], res['wrapped_at_fit'], res['epochs_for_10']) == (2, 'Sequential', 2)
         assert [n for _,n,_ in res['steps']] == EXPECTED['ga']
 
+@pytest.mark.multiprocess
 def test_indivisible_message(runs):
     "A global batch the processes cannot share exactly: the library's rule, and a one-time message with both sizes"
     res,_ = runs
@@ -125,6 +130,7 @@ def test_indivisible_message(runs):
         assert ('`start_accum_bs`=16 is below the micro-batch size 16 x 2 processes = 32 (global_bs=True): a window holds at '
                 'least one micro-batch on each process') in r['error']
 
+@pytest.mark.multiprocess
 def test_a_model_not_trained_over_every_process_raises(runs):
     "A process group of 2 but a model no engine wraps: the global batch cannot be shared, and every process says why"
     res,_ = runs
@@ -132,6 +138,7 @@ def test_a_model_not_trained_over_every_process_raises(runs):
         assert ("`global_bs=True` shares accum_bs=128 over the 2 processes of torch.distributed's default process group, but "
                 "the model (Sequential) trains on 1") in r['error'] and r['steps'] == []
 
+@pytest.mark.multiprocess
 def test_rank_0_prints_the_global_batch_once(runs):
     _,out = runs
     lines = [l for l in out.splitlines() if 'samples per optimizer step' in l]
@@ -147,6 +154,7 @@ def logged(res, case, world):
     tb = tb_scalars(Path(r['wandb_dir']).parents[2]/f'tb-{case}-w{world}')
     return [o['accum_bs'] for o in rows if 'train_loss' in o],[v for _,v in tb['accum_bs']],r
 
+@pytest.mark.multiprocess
 def test_loggers_log_the_global_accum_bs(runs):
     "W&B and TensorBoard (rank 0) log what each window held over all processes: the same on one process and on two"
     res,_ = runs

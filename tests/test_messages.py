@@ -91,6 +91,30 @@ def test_accum_bs_smaller_than_a_micro_batch():
     assert_at(small[0], line)
     test_eq(learn.gradient_accumulation.n_steps, len(learn.dls.train)) # one step per micro-batch: what the message says
 
+def tail_learner(**kwargs):
+    "GradientAccumulation(320) on fastai's default loaders (bs=32, drop_last) of 1,536 samples: 4 windows an epoch, then 256 samples"
+    return Learner(digits_default_dls(32, n_train=1536, dtype=torch.float32), digits_mlp(dtype=torch.float32), loss_func=nn.CrossEntropyLoss(), cbs=GradientAccumulation(320, **kwargs))
+
+def test_dropped_tail_is_said_once_per_fit():
+    "A tail larger than a micro-batch that `drop_last` discards (issue 39): said once per fit, with its share and the fix"
+    learn = tail_learner()
+    ws,line = fit_warnings(learn, lambda l: l.fit(2))
+    tail = ours(ws, 'never trained on')
+    assert len(tail) == 1, [str(o.message) for o in ws]
+    msg = str(tail[0].message)
+    assert "last 256 samples (17% of the 1536" in msg and 'GradientAccumulation(..., drop_last=False)' in msg, msg
+    assert msg.endswith(f'(see {DOCS_URL}#dropped-tail)')
+    assert_at(tail[0], line)
+    test_eq(learn.gradient_accumulation.n_steps, 8) # 4 steps an epoch: what the message says
+    ws,_ = fit_warnings(learn) # each fit says it again
+    test_eq(len(ours(ws, 'never trained on')), 1)
+    keep = tail_learner(drop_last=False) # the fix, as written
+    ws,_ = fit_warnings(keep, lambda l: l.fit(2))
+    test_eq(ours(ws, 'never trained on'), [])
+    test_eq(keep.gradient_accumulation.n_steps, 10) # the short last window is a step
+    ws,_ = fit_warnings(tail_learner(), lambda l: l.lr_find(show_plot=False, num_it=10)) # lr_find's epochs are not training's
+    test_eq(ours(ws, 'never trained on'), [])
+
 def test_indivisible_still_says_divide():
     "accum_bs larger than a micro-batch but not a multiple: the usual message, at the user's line"
     ws,line = fit_warnings(digits_learner(24, cbs=GradientAccumulation(64)))

@@ -2,6 +2,8 @@
 every way to train that claims the large batch's gradient matches its framework's large batch in float64, the PyTorch loop
 and Accelerate make no host sync, fastai's Recorder makes one per batch. In the users' `.venv` Lightning and fastxtend are
 not installed and are listed as skipped; `make bench` runs the same script in `.venv-bench`, where they are."""
+import pytest
+pytestmark = [pytest.mark.slow, pytest.mark.one_env]
 import json, os, subprocess, sys
 from pathlib import Path
 

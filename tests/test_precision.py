@@ -182,6 +182,7 @@ def ddp_float64_error(g):
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
     return rel_err(g, grads[0]),rel_err(grads[1], grads[0])
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize('case', ['f32', 'mb'])
 def test_ddp_float32_all_reduce(ddp, case):
     "Under DDP, each window's float32 sums are averaged over the processes once (DDP's own all-reduce never runs), exactly as by hand"
@@ -193,12 +194,15 @@ def test_ddp_float32_all_reduce(ddp, case):
     assert err <= 1.5*large, (err, large)
     test_eq(r0['hooks'], 0); test_eq(r0['bufs'], [])
 
+@pytest.mark.multiprocess
 def test_ddp_16_bit_baseline(ddp):
     "accum_dtype=None: DDP's own all-reduce, once per window (2 windows), of bfloat16 sums further from float64"
     r0,_ = ddp['none']
     test_eq(r0['n_allreduce'], 2)
     assert ddp_float64_error(r0['grad'])[0] > ddp_float64_error(ddp['f32'][0]['grad'])[0]
 
+@pytest.mark.slow
+@pytest.mark.one_env
 def test_bench_quick(tmp_path):
     "`bench/precision.py --quick` runs and prints its ratio lines (no target judged here: `make bench` does, side by side)"
     root = os.path.dirname(HERE)
@@ -214,6 +218,7 @@ def test_bench_quick(tmp_path):
         assert 4 <= m['variants']['accum_dtype=float32']['grad_bytes_per_param'] <= 6
         assert m['variants']['accum_dtype=None']['grad_bytes_per_param'] == 2
 
+@pytest.mark.multiprocess
 def test_fsdp2_refused(ddp):
     "A bfloat16 model sharded with FSDP2: accum_dtype refuses it on both processes, before any micro-batch, and names the fix"
     for r in ddp['fsdp2']:

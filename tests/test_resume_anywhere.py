@@ -4,6 +4,7 @@ where the uninterrupted run ends (float64, 1e-8), with the same lr at every resu
 The worker is `resume_worker.py` (torchrun, gloo, CPU)."""
 import os, subprocess, sys
 import pytest, torch
+pytestmark = [pytest.mark.multiprocess]
 from test_distributed import free_port, ENV, HERE
 
 WORKER = os.path.join(HERE, 'resume_worker.py')

@@ -5,6 +5,7 @@ fastai does on a sharded model without this library's `sharded` module."""
 import os, re, subprocess, sys
 from copy import deepcopy
 import pytest, torch
+pytestmark = [pytest.mark.multiprocess]
 from fastai.basics import *
 from fastai.callback.training import GradientClip
 from fastai.callback.tracker import SaveModelCallback

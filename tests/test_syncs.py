@@ -4,6 +4,7 @@ Then the library's own: every callback x normalize_by makes no sync of its own (
 import sys
 from pathlib import Path
 import pytest, torch
+pytestmark = [pytest.mark.one_env]
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]/'bench'))

@@ -81,6 +81,12 @@ def test_auto_padded_lm_pytorch_loss(lm_large, kind, capsys):
           f"(first step {((h-g).norm()/g.norm()).item():.2%} off)")
     assert max_param_diff(lm_large, samples) > 1e-4 and (h-g).norm()/g.norm() > 1e-2
 
+def test_auto_print_follows_verbose(capsys):
+    "What 'auto' counts is printed, not warned (issue 39): `verbose=False` keeps it quiet, and counts the same"
+    learn = lm(LM_MICRO, GradientAccumulation(LM_ACCUM, verbose=False))
+    assert repr(learn.gradient_accumulation.counter) == 'TokenCount(ignore_index=-100)'
+    assert 'normalize_by' not in capsys.readouterr().out
+
 def test_auto_padded_lm_fastai_loss():
     "fastai's CrossEntropyLossFlat (class axis 1 here) is read through its BaseLoss; it computes in float32: exact to that"
     flat = CrossEntropyLossFlat(axis=1)

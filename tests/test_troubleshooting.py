@@ -5,6 +5,8 @@ built by `messages.linked(msg, id)` (warnings: `messages.warn(msg, id)`) with an
 import ast, builtins, importlib, json, re
 from pathlib import Path
 import pytest
+pytestmark = [pytest.mark.one_env]
+from helpers import import_library_module
 from fastxtend_accum.messages import doc_link
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +34,7 @@ def modules():
         if p.name == '_modidx.py': continue
         name = '.'.join(('fastxtend_accum',) + p.relative_to(LIB).with_suffix('').parts).removesuffix('.__init__')
         src = p.read_text()
-        yield p.relative_to(LIB).as_posix(), src, ast.parse(src), importlib.import_module(name)
+        yield p.relative_to(LIB).as_posix(), src, ast.parse(src), import_library_module(name)
 
 def resolve(node, mod):
     "The object a `Name` or dotted `Attribute` refers to in `mod` (or builtins); None for a local name"

@@ -14,7 +14,7 @@ from ..patches import *
 from ..normalize import *
 from ..distributed import *
 from ..precision import FloatGrads
-from ..messages import warn, batchnorm_message, small_accum_message, linked
+from ..messages import warn, batchnorm_message, small_accum_message, dropped_tail_message, linked
 
 # %% auto #0
 __all__ = ['GradientAccumulation']
@@ -35,6 +35,7 @@ class GradientAccumulation(BatchSplitter):
         accum_dtype:torch.dtype|None=torch.float32, # 16-bit parameters' sums in it; None: p.grad
         deal_windows:bool=True, # global_bs: deal the epoch window by window (dealing)
         micro_batch_size:int|None=None, # fastxtend's: checked against the loader's bs
+        verbose:bool=True, # Print what 'auto' counts, and a step's samples over processes
     ):
         n_acc = check_positive_int('n_acc', n_acc)
         if isinstance(global_bs, numbers.Integral) and not isinstance(global_bs, (bool, np.bool_)): # fastxtend's 3rd: micro_batch_size
@@ -45,9 +46,10 @@ class GradientAccumulation(BatchSplitter):
         self.accum_bs = check_size('accum_bs', n_acc if accum_bs is None else check_positive_int('accum_bs', accum_bs))
         self.n_acc,self.log_accum_batch = n_acc,check_bool('log_accum_batch', log_accum_batch)
         self.global_bs,self.drop_last = check_bool('global_bs', global_bs),check_bool('drop_last', drop_last, none_ok=True)
+        self.verbose = check_bool('verbose', verbose)
         item_counter(normalize_by) # a bad value fails here, not in the fit
         self.normalize_by,self.grad_sync,self.windows = normalize_by,check_grad_sync(grad_sync),Windows()
-        self.windows.auto = auto_normalize(normalize_by, type(self).__name__) # 'auto': the counter is read from each epoch's loss
+        self.windows.auto = auto_normalize(normalize_by, type(self).__name__, self.verbose) # 'auto': the counter is read from each epoch's loss
         self.accum_dtype,self.windows.fgrads = accum_dtype,FloatGrads(accum_dtype, type(self).__name__) # see `precision`
 
     # fit and epoch events
@@ -65,7 +67,7 @@ class GradientAccumulation(BatchSplitter):
         r.start_fit(default_world_size(), WindowSync(), self.global_bs)
         r.counter = item_counter(self.normalize_by)
         if r.auto is not None: r.auto.start_fit()
-        r.warned.discard('noplan') # said once per fit
+        r.warned -= {'noplan', 'dropped-tail'} # said once per fit
         r.fgrads.attach(self.model)
         fit = take_over(self.learn, self) # the Learner's fit class, until the fit ends (`patches`)
         callback_methods(self.learn, self, fit) # fastai's recorder, scheduler, progress bar, lr_find, loggers: once per step
@@ -82,6 +84,7 @@ class GradientAccumulation(BatchSplitter):
             if self.global_bs and self.deal_windows: deal_windows(self)
             else: agree_processes(self, self.dl)
         r.plan = self._plan_for(self.dl)
+        if not hasattr(self.learn, 'lr_finder') and (msg := dropped_tail_message(r.plan, type(self).__name__)): self._warn_once('dropped-tail', msg)
         if r.auto is not None: r.auto.pending = True # read at the first micro-batch, after every `before_train`
         r.i_window,r.skipped_tail = -1,False
         try: empty = len(self.dl) == 0
@@ -361,7 +364,7 @@ class GradientAccumulation(BatchSplitter):
                     f"default process group, but the model ({type(self.model).__name__}) trains on {r.sync.world_size}: wrap it "
                     "for distributed training over every process (fastai's `distrib_ctx`), or pass `global_bs=False`", 'global-bs-group')))
             r.world_size = n = r.sync.world_size
-            if n > 1 and r.sync.rank == 0:
+            if n > 1 and r.sync.rank == 0 and self.verbose:
                 if self.global_bs: print(linked(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per optimizer step (global_bs=True) = "
                                          f"{self.windows.per_process(self.accum_bs)} samples per process x {n} processes", 'global-bs'))
                 else: print(linked(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "

@@ -48,7 +48,7 @@ class GradientAccumulationSchedule(GradientAccumulation):
         micro_batch_size:int|None=None, # Samples per micro-batch; None: the loader's
         log_accum_batch:bool=True, # Record losses, hps and progress once per step
         drop_last:bool|None=None, # Drop a short last window; None: follow the training loader
-        **kwargs, # GradientAccumulation's: global_bs, normalize_by, grad_sync, accum_dtype, deal_windows
+        **kwargs, # GradientAccumulation's: global_bs, normalize_by, grad_sync, accum_dtype, deal_windows, verbose
     ):
         start_accum_bs = check_positive_int('start_accum_bs', start_accum_bs)
         final_accum_bs = check_size('final_accum_bs', check_positive_int('final_accum_bs', final_accum_bs))
