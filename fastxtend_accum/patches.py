@@ -18,9 +18,9 @@ from .messages import warn, linked
 from .transfer import to_device_non_blocking
 
 # %% auto #0
-__all__ = ['FASTAI_TESTED', 'TAKEOVERS', 'ADDED', 'FAST', 'FIT_PARTS', 'FIT_HOOKS', 'takes_over', 'is_fastais', 'AccumView',
-           'accum_callback', 'batch_taker', 'training_owner', 'accum_logger', 'fit_class', 'take_over', 'give_back',
-           'FitTakeover', 'adapts', 'fastai_class', 'callback_methods']
+__all__ = ['FASTAI_TESTED', 'TAKEOVERS', 'ADDED', 'FAST', 'FIT_PARTS', 'FIT_HOOKS', 'KEPT', 'takes_over', 'is_fastais',
+           'AccumView', 'accum_callback', 'batch_taker', 'training_owner', 'accum_logger', 'fit_class', 'own_class',
+           'kept_class', 'take_over', 'give_back', 'FitTakeover', 'adapts', 'fastai_class', 'callback_methods']
 
 # %% ../nbs/patches.ipynb #5925d5a1
 FASTAI_TESTED = ('2.8.7', '2.8.12') # the fastai versions the takeovers were tested on
@@ -121,6 +121,26 @@ def fit_class(cls:type)->type:
         fc = _fit_classes[key] = type(cls.__name__, (FitTakeover, *FIT_PARTS, cls), ns)
     return fc
 
+KEPT = [] # functions (learn) -> a class of methods the Learner keeps after its fit, or None (`sharded`'s while its model is sharded)
+_kept_classes = {}
+
+def own_class(cls:type)->type:
+    "The Learner's own class (its user's, or fastai's) under a class `kept_class` made"
+    return vars(cls).get('_kept_of', cls)
+
+def kept_class(cls:type, # The Learner's own class
+               learn:Learner, # A Learner whose fit ended
+              )->type:
+    "The class `learn` has after its fit: `cls`, or a subclass with the methods a part keeps while it is needed (`KEPT`)"
+    parts = tuple(p for f in KEPT if (p := f(learn)) is not None)
+    if not parts: return cls
+    kc = _kept_classes.get((cls, *parts))
+    if kc is None:
+        ns = dict(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__, _kept_of=cls, _fastai_class=cls,
+                  __reduce_ex__=FitTakeover.__reduce_ex__)
+        kc = _kept_classes[(cls, *parts)] = type(cls.__name__, (*parts, cls), ns)
+    return kc
+
 def _overridden(learn:Learner, cls:type, names)->list[str]:
     "The methods of `names` that the Learner (its class `cls`, a subclass or another library, or the instance) defines instead of fastai"
     return [n for n in names if n in vars(learn) or not is_fastais(getattr(cls, n, None))]
@@ -131,7 +151,7 @@ def take_over(learn:Learner, # The Learner whose fit starts
              ):
     "At a fit's start, switch `learn` to the fit class (once per fit) and register `owner`; raise if its class overrides what `owner` takes over"
     fit = _fit_of(learn)
-    cls = type(learn) if fit is None else fit.cls
+    cls = own_class(type(learn)) if fit is None else fit.cls
     bad = _overridden(learn, cls, getattr(owner, 'takes_over', ()))
     if bad:
         raise TypeError(linked(f"{cls.__name__}{' (this instance)' if bad[0] in vars(learn) else ''} overrides Learner.{bad[0]}, which {type(owner).__name__} takes over for the fit "
@@ -139,8 +159,8 @@ def take_over(learn:Learner, # The Learner whose fit starts
             "once per micro-batch. Move what it adds into a callback (before_step, after_backward...), or train this Learner "
             f"without {type(owner).__name__}", 'learner-subclass'))
     if fit is None:
-        vars(learn)['_fxa_fit'] = fit = _Fit(type(learn))
-        learn.__class__ = fit_class(type(learn))
+        vars(learn)['_fxa_fit'] = fit = _Fit(cls)
+        learn.__class__ = fit_class(cls)
     if sum(o is owner for o in learn.cbs) > 1: # the fit class's `remove_cbs` leaves it attached as it was
         raise ValueError(linked(f"This {type(owner).__name__} is passed to `fit(cbs=...)` but is already attached to the Learner "
                                 "(`Learner(cbs=...)` or `add_cb`): it would count every micro-batch twice. Pass it once", 'two-accumulations'))
@@ -164,7 +184,7 @@ def give_back(learn:Learner, # A Learner whose fit ended
         fit.unset_all()
         _plans.pop(learn, None)
         del vars(learn)['_fxa_fit']
-        learn.__class__ = fit.cls
+        learn.__class__ = kept_class(fit.cls, learn)
 
 # %% ../nbs/patches.ipynb #9fc92d08
 _fastai_to_device,_CPU = fastai.learner.to_device,torch.device('cpu')

@@ -16,7 +16,7 @@ try: # FSDP2 (`fully_shard`), DTensor and the distributed state dicts: PyTorch 2
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 except ImportError: FSDPModule = FullyShardedDataParallel = fully_shard = DTensor = None
-from .patches import take_over, takes_over, fastai_class, FIT_PARTS, FIT_HOOKS, ADDED, TAKEOVERS
+from .patches import own_class, take_over, takes_over, fastai_class, FIT_PARTS, FIT_HOOKS, KEPT, ADDED, TAKEOVERS
 from .export import LeftOutOfExport
 from .distributed import _reduce_device, sharding_engine
 from .messages import linked
@@ -465,7 +465,7 @@ def clip_step(cb, # fastai's GradientClip
 class ShardedFit:
     "The Learner methods a fit takes over where its model is sharded (a part of the fit class, see `patches`)"
     @takes_over('Learner.save', "a sharded model's state gathered whole from every process and written as a plain model's, "
-                "by one process per file", how='the fit class (a sharded model)')
+                "by one process per file", how='the fit class; after the fit, the class while the model stays sharded')
     def save(self, file, **kwargs):
         "fastai's `Learner.save`; a sharded model's state is gathered from every process (they all call it), written by one per file"
         if not is_sharded(self.model): return super().save(file, **kwargs)
@@ -483,7 +483,7 @@ class ShardedFit:
         return file
 
     @takes_over('Learner.load', "into a sharded model, every process reads the plain model's state and keeps its own shards",
-                how='the fit class (a sharded model)')
+                how='the fit class; after the fit, the class while the model stays sharded')
     def load(self, file, device=None, **kwargs):
         "fastai's `Learner.load`; into a sharded model, every process reads the plain model's state and keeps its own shards"
         if not is_sharded(self.model): return super().load(file, device=device, **kwargs)
@@ -505,6 +505,8 @@ class _FullOpt:
     def load_state_dict(self, sd): self.opt.load_state_dict(part_opt_state(sd, opt_params(self.opt), self.layout))
 
 FIT_PARTS.append(ShardedFit)
+# a model the user sharded stays sharded after the fit: the Learner keeps `save` and `load` for it (its own class's otherwise)
+KEPT.append(lambda learn: ShardedFit if isinstance(getattr(learn, 'model', None), nn.Module) and is_sharded(learn.model) else None)
 
 # %% ../nbs/sharded.ipynb #9700692a
 def sharded_fit(learn:Learner, # The Learner whose fit is taken over (patches.take_over)
