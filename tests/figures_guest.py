@@ -25,6 +25,7 @@ if __name__ == '__main__':
     import fastai.callback.wandb, fastai.callback.tensorboard # noqa: F401
     before = snapshot()
     import fastxtend_accum, fastxtend_accum.all
+    from fastxtend_accum.all import GradientAccumulation, MicroBatching
     after = snapshot()
     mods = {k[0] for k in before if isinstance(k, tuple)}
     changed = sorted('.'.join(k[1:]) for k in before if k in after and after[k] is not before[k] and k != 'defaults')
