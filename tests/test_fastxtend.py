@@ -1,8 +1,9 @@
 """fastxtend 0.1.7's GradientAccumulation(Schedule) and this library's in the same user script (issue 38), side by side:
-`fastxtend_parity.py` runs both in a Python where `fastxtend.callback.gradaccum` imports, found without installing anything:
-this one, else `.venv-bench` (`make .venv-bench/.installed`: fastxtend 0.1.7 from requirements/bench-nodeps.lock), else
-the folder in `FXA_FASTXTEND_PATH` (`pip install --target DIR --no-deps fastxtend==0.1.7`); skipped when none has it."""
-import importlib.util, json, math, os, subprocess, sys
+`fastxtend_parity.py` runs both in a Python where `fastxtend.callback.gradaccum` imports: this one, else `.venv-bench`
+(`make .venv-bench/.installed`: fastxtend 0.1.7 from requirements/bench-nodeps.lock), else the folder in
+`FXA_FASTXTEND_PATH`, else a temporary folder it installs fastxtend 0.1.7 into (`pip install --target DIR --no-deps`, what
+`make test` does on a fresh machine: seconds); skipped only when pip cannot get it (no index)."""
+import tempfile, importlib.util, json, math, os, subprocess, sys
 from pathlib import Path
 import pytest
 
@@ -15,7 +16,12 @@ def fastxtend_python():
     if bench.exists() and subprocess.run([str(bench), '-c', 'import fastxtend'], capture_output=True).returncode == 0: return str(bench),''
     d = os.environ.get('FXA_FASTXTEND_PATH')
     if d and (Path(d)/'fastxtend').is_dir(): return sys.executable,d
-    return None
+    # else a folder of its own (as NOTES.md says: beside fastai, without its dependencies), from the index pip uses
+    d = Path(tempfile.gettempdir())/'fxa-fastxtend-0.1.7'
+    if not (d/'fastxtend').is_dir():
+        subprocess.run([sys.executable, '-m', 'pip', 'install', '-qq', '--target', str(d), '--no-deps', 'fastxtend==0.1.7'],
+                       capture_output=True, timeout=300)
+    return (sys.executable,str(d)) if (d/'fastxtend').is_dir() else None
 
 @pytest.fixture(scope='module')
 def parity():
