@@ -24,18 +24,8 @@ def python(code, prefix=''):
 
 SNAPSHOT = '''
 import sys, types
-def snapshot():
-    "Every attribute of every class and every module-level name of the fastai modules imported, and fastai's defaults"
-    out = {}
-    for name,mod in list(sys.modules.items()):
-        if not name.startswith('fastai') or mod is None: continue
-        for k,v in list(vars(mod).items()):
-            out[(name, k)] = v
-            if isinstance(v, type) and v.__module__ == name:
-                for a,w in list(vars(v).items()): out[(name, k, a)] = w
-    from fastai.basics import defaults
-    out['defaults'] = {k: (list(v) if isinstance(v, list) else v) for k,v in vars(defaults).items()}
-    return out
+sys.path.insert(0, 'tests')
+from figures_guest import snapshot # every attribute of every class, and every name, of the fastai modules imported; `defaults`
 def changed(before, after):
     "Keys whose value is another object, and keys added, among the modules imported before"
     mods = {k[0] for k in before if isinstance(k, tuple)}
