@@ -130,9 +130,10 @@ def own_class(cls:type)->type:
 
 def kept_class(cls:type, # The Learner's own class
                learn:Learner, # A Learner whose fit ended
+               parts:tuple|None=None, # The classes of methods it keeps; None: those `KEPT` gives
               )->type:
     "The class `learn` has after its fit: `cls`, or a subclass with the methods a part keeps while it is needed (`KEPT`)"
-    parts = tuple(p for f in KEPT if (p := f(learn)) is not None)
+    parts = tuple(p for f in KEPT if (p := f(learn)) is not None) if parts is None else tuple(parts)
     if not parts: return cls
     kc = _kept_classes.get((cls, *parts))
     if kc is None:

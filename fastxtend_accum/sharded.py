@@ -16,7 +16,7 @@ try: # FSDP2 (`fully_shard`), DTensor and the distributed state dicts: PyTorch 2
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 except ImportError: FSDPModule = FullyShardedDataParallel = fully_shard = DTensor = None
-from .patches import own_class, take_over, takes_over, fastai_class, FIT_PARTS, FIT_HOOKS, KEPT, ADDED, TAKEOVERS
+from .patches import own_class, kept_class, is_fastais, take_over, takes_over, fastai_class, FIT_PARTS, FIT_HOOKS, KEPT, ADDED, TAKEOVERS
 from .export import LeftOutOfExport
 from .distributed import _reduce_device, sharding_engine
 from .messages import linked
@@ -398,6 +398,7 @@ def to_sharded(self:Learner,
 ):
     "Add a `ShardedTrainer` to the Learner; only rank 0 shows progress, and batches go to this process's GPU under NCCL"
     self.add_cb(ShardedTrainer(policy, engine, sync_module_states, **kwargs))
+    self.__class__ = kept_class(own_class(type(self)), self, (ShardedFit,)) # a sharded Learner: `save`/`load` gather the shards
     if dist.get_rank() and hasattr(self, 'progress'): self.remove_cb(self.progress); self._sharded_bar = True
     device = _reduce_device(None)
     if device.type != 'cpu' and getattr(self.dls, 'device', None) != device: self._sharded_device,self.dls.device = self.dls.device,device
@@ -407,6 +408,7 @@ def to_sharded(self:Learner,
 def detach_sharded(self:Learner):
     "Remove the `ShardedTrainer`, and give back the progress bar and the loaders' device `to_sharded` changed"
     self.remove_cbs([cb for cb in self.cbs if isinstance(cb, ShardedTrainer)])
+    self.__class__ = kept_class(own_class(type(self)), self) # its own class, unless its model stays sharded
     if self.__dict__.pop('_sharded_bar', False) and not hasattr(self, 'progress'): self.add_cb(fastai_class('fastai.callback.progress', 'ProgressCallback')())
     if '_sharded_device' in self.__dict__: self.dls.device = self.__dict__.pop('_sharded_device')
     return self
@@ -522,7 +524,8 @@ def sharded_fit(learn:Learner, # The Learner whose fit is taken over (patches.ta
     if sharding_engine(model) == 'fsdp1' and isinstance(learn.opt, Optimizer): fit.set(learn.opt, 'zero_grad', functools.partial(zero_grad_views, learn.opt))
     clip = fastai_class('fastai.callback.training', 'GradientClip')
     for cb in learn.cbs:
-        if clip is not None and isinstance(cb, clip): fit.set(cb, 'before_step', functools.partial(clip_step, cb, {}))
+        if clip is not None and isinstance(cb, clip) and is_fastais(type(cb).before_step): # a subclass's own: left as it is
+            fit.set(cb, 'before_step', functools.partial(clip_step, cb, {}))
 
 FIT_HOOKS.append(sharded_fit)
 TAKEOVERS['Optimizer.zero_grad'] = dict(why="gradients that are views (FSDP1's) detached out of place", how='instance (the optimizer, a model FSDP1 shards)')
