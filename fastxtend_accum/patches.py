@@ -339,9 +339,7 @@ class _CopyThen:
     "The loader's `after_batch`, run on the batch copied to the model's device pinned and `non_blocking=True` (anything else it has: the loader's own)"
     def __init__(self, learn, after, own): self.learn,self.after,self._fxa_own = learn,after,own # `_fxa_own`: the loader's own, if any
     def __call__(self, b): return self.after(to_device_non_blocking(self.learn, b))
-    def __getattr__(self, k): # `decode`, `fs`: the Pipeline's
-        if k == 'after': raise AttributeError(k) # not set yet (a copy being made)
-        return getattr(self.after, k)
+    def __getattr__(self, k): return getattr(object.__getattribute__(self, 'after'), k) # `decode`, `fs`: the Pipeline's (no recursion in a copy)
 
 @takes_over('DataLoader.after_batch', "with `device` None for the epoch: the training batches copied to the device pinned and `non_blocking=True`, "
             "not blocking as fastai's loader does, before `after_batch` as in fastai", how='instance (the training loader, for the epoch)')
