@@ -143,8 +143,9 @@ def test_profile_runs(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     text = (tmp_path/'p.md').read_text()
-    rows = dict(re.findall(r'^\| (.+?) \| (-?\d+\.\d+) \| (?:\d+\.\d+) \|$', text, re.M))
-    assert float(rows["event dispatch (the library's, while accumulating: Learner.__call__/_call_one, _Dispatch)"]) > 0
+    rows = {k: (float(us), float(calls)) for k,us,calls in re.findall(r'^\| (.+?) \| (-?\d+\.\d+) \| (\d+\.\d+) \|$', text, re.M)}
+    # the library's dispatch ran on every micro-batch (its time, less the timer's own cost, is noise on a loaded machine)
+    assert rows["event dispatch (the library's, while accumulating: Learner.__call__/_call_one, _Dispatch)"][1] >= 10
     assert "identical parameters (bitwise) in all: True; identical Recorder losses, lrs, values and iters: True" in text
     assert "fastai's event dispatch (Learner.__call__/_call_one)" in text and "fastai's _set_device" in text
     assert "fastai's do_item for each sample" in text and "fastai's retain for each batch" in text
