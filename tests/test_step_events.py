@@ -10,6 +10,7 @@ from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader
 from fastxtend_accum.all import *
 from fastxtend_accum.test_utils import *
+from contract_worker import TempCE # the loss with a learnable temperature the 2-process cases train too
 
 MICRO,ACCUM,N_TRAIN,EPS = 16,64,250,1e-10
 
@@ -86,13 +87,6 @@ def test_a_nan_anywhere_in_the_window_is_seen_by_a_loss_guard(name, nan_at):
     assert large.loss_guard.skipped == accum.loss_guard.skipped == 2 # the 2nd step of each epoch
     assert all(torch.isfinite(p).all() for p in accum.model.parameters())
     assert max_param_diff(large, accum) < EPS
-
-class TempCE(nn.Module):
-    "Cross-entropy with a learnable temperature: a parameter of the loss, outside the model"
-    def __init__(self):
-        super().__init__()
-        self.t = nn.Parameter(torch.tensor(1., dtype=torch.float64))
-    def forward(self, pred, y): return F.cross_entropy(pred*self.t, y)
 
 def temp_learner(bs, cbs=(), drop_last=False):
     lf = TempCE()
