@@ -288,7 +288,6 @@ class FitTakeover:
 
 # %% ../nbs/patches.ipynb #7c6522bf
 _FASTAI_DL = {n: getattr(FastaiDataLoader, n) for n in ('do_item', 'create_item', 'after_item', 'chunkify', 'do_batch', 'retain', 'create_batches')}
-_direct = () # the training loaders whose item path is taken over now (a loader, and the one fastai's `DistributedDL` wraps)
 
 def _fastais(dl, *names:str)->bool:
     "Whether `dl`'s methods `names` are fastai's `DataLoader`'s: its class's, and none passed to the loader (fastai takes them as arguments)"
@@ -362,16 +361,13 @@ def _copies_non_blocking(learn, dl):
 @contextlib.contextmanager
 def _item_path(dl):
     "For the epoch, `dl` (and the loader fastai's `DistributedDL` wraps) make their batches with `create_batches` above"
-    global _direct
     dls = [o for o in (dl, getattr(dl, '__dict__', {}).get('dl')) if isinstance(o, FastaiDataLoader) and _fastais(o, 'create_batches')]
-    prev,_direct = _direct,tuple(dls)
     for o in dls:
         f = vars(o)['create_batches'] = functools.partial(create_batches, o)
         f._fxa_own = None # the loader has none of its own (`normalize` reads the loader as the user made it)
     try: yield
     finally:
         for o in dls: vars(o).pop('create_batches', None)
-        _direct = prev
 
 # %% ../nbs/patches.ipynb #e6fb1720
 _fastai_cb_call = Callback.__call__ # fastai's: a callback whose class overrides it (or a library that replaced it) is called through it
