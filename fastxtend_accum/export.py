@@ -6,9 +6,7 @@
 from __future__ import annotations
 import contextlib, re, sys, zipfile
 import fastai.learner
-import cloudpickle
 from fastai.basics import *
-from .messages import warn
 
 # %% auto #0
 __all__ = ['in_export', 'LeftOutOfExport', 'is_library_callback', 'without_library_callbacks', 'library_refs']

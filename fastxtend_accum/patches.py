@@ -14,7 +14,7 @@ from fasttransform import Pipeline
 from fastcore.basics import GetAttr
 from fastcore.xtras import modify_exception
 from .failfast import stop_peers
-from .messages import warn, linked
+from .messages import linked
 from .transfer import to_device_non_blocking
 
 # %% auto #0
@@ -130,7 +130,7 @@ def own_class(cls:type)->type:
 
 def kept_class(cls:type, # The Learner's own class
                learn:Learner, # A Learner whose fit ended
-               parts:tuple|None=None, # The classes of methods it keeps; None: those `KEPT` gives
+               parts:tuple|None=None, # The classes of methods it keeps; None: those KEPT gives
               )->type:
     "The class `learn` has after its fit: `cls`, or a subclass with the methods a part keeps while it is needed (`KEPT`)"
     parts = tuple(p for f in KEPT if (p := f(learn)) is not None) if parts is None else tuple(parts)
