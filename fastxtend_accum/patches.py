@@ -228,11 +228,12 @@ class FitTakeover:
         self._split(b)
         with acc.micro_batch(): self._with_events(acc.train_batch, 'batch', CancelBatchException)
 
-    @takes_over('Learner._do_grad_opt', "backward every micro-batch, the step events, step and `zero_grad` once per window")
+    @takes_over('Learner._do_grad_opt', "backward every micro-batch, the step events, step and `zero_grad` once per window "
+                "(`MicroBatching`: once per batch, after its micro-batches)")
     def _do_grad_opt(self):
         "fastai's backward, step and `zero_grad`; while training, the accumulation callback's (the step once per window)"
         __tracebackhide__ = True
-        acc = accum_callback(self) if self.training else None
+        acc = training_owner(self)
         if acc is None: return super()._do_grad_opt()
         acc.grad_opt()
 

@@ -9,7 +9,7 @@ from copy import deepcopy
 from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader
 from .window import *
-from .distributed import split_loader, samples_per_process
+from .distributed import split_loader, samples_per_process, window_sync
 from .messages import linked
 from .export import LeftOutOfExport
 
@@ -130,10 +130,29 @@ def check_one_learner(cb:Callback, learn:Learner|None):
                          f"model {type(old.model).__name__}): give each Learner its own {type(cb).__name__}, or `remove_cb` it first", 'other-learner'))
 
 # %% ../nbs/plan.ipynb #6fc38641
+def _zero_loss(pred):
+    "A loss of exactly 0 that still back-propagates through `pred`: for a micro-batch with no items to average over"
+    ts = [t for t in (pred if is_listy(pred) else [pred]) if isinstance(t, Tensor) and t.requires_grad]
+    return sum(t.sum() for t in ts)*0 if ts else None
+
 class BatchSplitter(LeftOutOfExport, Callback):
-    "What `GradientAccumulation` and `MicroBatching` share: one Learner at a time, and nothing left behind when detached"
+    """What `GradientAccumulation` and `MicroBatching` share: one Learner at a time, nothing left behind when detached, and
+    the wiring of the window engine (`window.Windows`) into fastai: the engine's sync, the weighted backward"""
     _learn,splits_batches,accumulating = None,True,False
     takes_over = () # the Learner methods it takes over for its fit (`patches.take_over`): a subclass must not override them
+    windows:Windows # the window engine: its state and arithmetic (`window`)
+    @property
+    def counter(self):
+        "What the micro-batches' items are counted by (what `normalize_by='auto'` read)"
+        return self.windows.counter
+    @property
+    def fgrads(self):
+        "The 16-bit parameters' float32 window sums (see `precision`)"
+        return self.windows.fgrads
+    @property
+    def sync(self):
+        "The sync object of the model's engine (see `distributed`)"
+        return self.windows.sync
     @property
     def learn(self):
         "The `Learner` the callback is attached to"
@@ -145,6 +164,34 @@ class BatchSplitter(LeftOutOfExport, Callback):
         self._learn = learn
     def end_fit(self):
         "However the fit ended: no gradients, nothing patched left behind"
+
+    def _engine(self)->bool:
+        "The sync object of the model's engine, made for a model it has not seen (fastai's `DistributedTrainer` wraps it after `before_fit`); whether it is new"
+        r = self.windows
+        self._forget_params() # an engine may have replaced the parameters: listed again
+        new = r.sync.model is not self.learn.model
+        if new: r.sync = window_sync(self.learn.model, self.grad_sync)
+        r.fgrads.check(r.sync)
+        return new
+
+    def _backward(self):
+        "The micro-batch's backward, of its loss weighted after every `before_backward` callback (a term they added too)"
+        learn,r = self.learn,self.windows
+        if r.window is not None:
+            c,lg = r.mb_items,r.weighted(learn.loss_grad) # loss_i * items_i/rho, on the device: no sync
+            if lg is None: lg = _zero_loss(learn.pred) # no items: an exact 0, through the model (its engine communicates alike)
+            elif isinstance(c, Tensor) and r.guards_zero: self._zero_guard(c)
+            learn.loss_grad = lg
+        if learn.loss_grad is not None: learn._backward()
+        if r.window is not None: r.backward_ran(learn.loss.detach(), None if learn.loss_grad is None else learn.loss_grad.detach())
+
+    def _grad_opt_ran(self, ran:bool):
+        "Raise if the Learner's `_do_one_batch` trained a micro-batch without calling `_do_grad_opt` (its own backward and step): not one step per window"
+        if ran or not len(self.learn.yb): return
+        raise TypeError(linked(f"{type(self.learn).__name__}._do_one_batch returned without calling `self._do_grad_opt()`: "
+            f"{type(self).__name__} backs each micro-batch up and steps once per window there, so a backward or step of its own "
+            "would be one per micro-batch. Call `self._do_grad_opt()` for the backward and step, as fastai's `_do_one_batch` does", 'learner-subclass'))
+
     def _zero_guard(self, c:Tensor):
         "A micro-batch with no items (only zero class weights) adds nothing: its loss is 0/0, and its gradient would be NaN"
         pred = self.learn.pred
@@ -164,5 +211,6 @@ class BatchSplitter(LeftOutOfExport, Callback):
     def _forget_params(self): self.__dict__.pop('_params', None)
 
     def _zero_grads(self):
-        "Zero every gradient the model and the optimizer hold: nothing of a dropped window is left for the next"
+        "Zero every gradient the model and the optimizer hold, and a 16-bit model's float32 sums: nothing of a dropped window is left for the next"
+        self.windows.fgrads.drop()
         for g in self._grads(): g.zero_()

@@ -8,7 +8,7 @@ import math, numbers
 from collections.abc import Callable
 import torch
 from torch import Tensor
-from .messages import linked
+from .messages import linked, batchnorm_message
 
 # %% auto #0
 __all__ = ['MAX_SIZE', 'fills', 'check_size', 'WindowPlan', 'Window', 'scale_grads', 'ProcessesDisagree', 'raised_everywhere',
@@ -75,6 +75,7 @@ class Window:
     counted:list           # (items, loss) of the micro-batches since: added to items and loss_sum at the step, all at once
     grad_losses:list       # the weighted losses back-propagated, detached: the step's `loss_grad`, summed and scaled
     ref = None             # rho: the items the weights divide by, fixed at the window's first weighted micro-batch
+    known = None           # its items, counted before its first forward (`MicroBatching` holds the whole batch): rho on one process
     items_min = None       # the smallest count (a user's counter's counts are checked at the step)
     # the current micro-batch
     backward_ran:bool = False
@@ -83,6 +84,7 @@ class Window:
     done:bool = False      # closed: stepped, or dropped
     stepped:bool = False   # it closed with a step (all its micro-batches cancelled: no step)
     held:int = 0           # samples over all processes
+    grad_scale = None      # what its gradient was multiplied by (`scale`)
     record = None          # its loss, for the Recorder
 
     def __init__(self,
@@ -156,6 +158,7 @@ class Window:
         "What turns the accumulated gradient into the window's: `None` when nothing is to be done"
         # sum_i (c_i/rho) grad_i, averaged over R processes, times R*rho/C = sum_i (c_i/C) grad_i (the derivation above)
         if self.sum_reduced: return None if world_size == 1 else world_size
+        if world_size == 1 and self.known is not None: return None # rho was the window's items: the weights c_i/C sum to one
         self.settle()
         c,f = self.items if items is None else items,self.ref if world_size == 1 else world_size*self.ref
         # a window of padding only has zero gradients anyway: 1 (counts are never negative; a user's are checked first)
@@ -331,12 +334,69 @@ class Windows:
         "Samples over all processes of a window of `bs` (as `accum_bs` counts them)"
         return bs if self.global_bs else bs*self.world_size
     def ref(self):
-        "rho, what the open window's weights divide by: its samples, the items 'auto' expects, or those of its first micro-batch"
+        "rho, what the open window's weights divide by: its samples, its items counted ahead, the items 'auto' expects, or its first micro-batch's"
         if self.by_samples: return self.window_bs
+        known = self.window.known
+        if known is not None and self.world_size == 1: return known.clamp(min=1e-300) if isinstance(known, Tensor) else max(known, 1e-300)
         # 'auto' read a cross-entropy's items per sample once, on the host (`AutoNormalize.rate`): a number, no op per window
         rate = self.auto.rate if self.world_size == 1 and self.reads_loss else None
         if rate is not None: return max(rate*self.window_bs, 1)
         return window_ref(self.window_bs, self.mb_items, self.mb_samples, self.rate)
+
+    def first_rate(self,
+                   items, # The fit's first micro-batch's count (of a window counted ahead: the window's)
+                   samples:int, # ...and samples
+                  ):
+        "At the fit's first window, over several processes: items per sample over all of them, the first rho everywhere (one all-reduce a fit)"
+        if self.rate is None and self.world_size > 1 and not self.by_samples:
+            c,m = self.sync.sum(items, samples)
+            self.rate = c/m # any rho is exact if the whole window uses it; the same on every process
+
+    def weighted(self,
+                 loss:Tensor, # The micro-batch's loss, after every `before_backward` callback
+                )->Tensor|None:
+        "The micro-batch's loss times items/rho (rho fixed at the window's first); `None` for a count of 0 on the host: it adds nothing"
+        w,c = self.window,self.mb_items
+        if not isinstance(c, Tensor) and not c and not w.sum_reduced: return None
+        if w.ref is None and not w.sum_reduced: w.ref = self.ref()
+        return w.weighted(loss, c) # on the device where the count or rho is: no sync
+
+    def backward_ran(self,
+                     loss:Tensor, # The micro-batch's loss, detached
+                     loss_grad:Tensor|None, # The weighted loss it back-propagated, detached
+                    ):
+        "Count the micro-batch whose backward ran (a stand-in of no samples adds nothing); a user's counts kept for the check at the close"
+        w,c = self.window,self.mb_items
+        if not self.mb_samples: return
+        w.add_backward(self.mb_samples, c, loss, loss_grad)
+        if self.checks_counts and w.known is None: w.items_min = c if w.items_min is None else torch.minimum(w.items_min, c)
+
+    def close(self,
+              key:int, # The window's position (`window_key`), compared over processes
+              grads:Callable, # grads(model=bool): the gradients to scale (model=False: only those outside the model)
+             )->int:
+        "Close the window: its totals over processes (one all-reduce), the next rho, its loss, and its exact gradient; the samples it held (0: none did backward, nothing applied)"
+        w,sync = self.window,self.sync
+        if w.ref is None and not w.sum_reduced: w.ref = self.ref() # no backward ran here: the same rho as elsewhere
+        c,held,l = window_totals(w, key, sync.reduce, sync.world_size, sync.rank, sync.device)
+        if not held: return 0
+        if sync.world_size > 1 and not w.sum_reduced: self.rate = c/held # the next window's rho: the same on every process
+        w.record = w.loss(c, l)
+        w.grad_scale = scale = w.scale(sync.world_size, c)
+        # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
+        summed = self.fgrads.to_grads(scale, sync) # the model's: a loss's parameters, outside it, are scaled here
+        if scale is not None: scale_grads(grads(model=not summed), scale)
+        w.done,w.stepped,w.held = True,True,held
+        return held
+
+    def check_bn(self,
+                 model, # The model the fit trains
+                 over:str='accumulated batch', # What its statistics should come from
+                )->str|None:
+        "Once a fit, at its first window split in micro-batches: the warning for the model's BatchNorm layers in training mode, if any"
+        if self.bn_checked: return None
+        self.bn_checked = True
+        return batchnorm_message(model, over)
 
     def overfilled(self)->bool:
         "Whether the window closed past its target: micro-batches that do not divide it (over all processes with `global_bs`)"

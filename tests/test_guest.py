@@ -11,6 +11,7 @@ from fastcore.test import *
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.callback.microbatch import MicroBatching
 from fastxtend_accum.test_utils import digits_learner, max_param_diff
+from fastxtend_accum.plan import micro_batch_sizes
 import fastxtend_accum.patches as P
 from helpers import assert_same_training
 
@@ -118,7 +119,21 @@ class OwnOneBatch(Learner):
     def one_batch(self, i, b): return super().one_batch(i, b)
 
 class OwnDoOneBatch(Learner):
-    def _do_one_batch(self): return super()._do_one_batch()
+    "Its own `_do_one_batch` around fastai's, counting its calls"
+    def _do_one_batch(self):
+        if self.training: self.n_do = getattr(self, 'n_do', 0)+1
+        return super()._do_one_batch()
+
+class OwnStepInDoOneBatch(Learner):
+    "A custom loop in `_do_one_batch`: its own backward and step, no `_do_grad_opt`"
+    def _do_one_batch(self):
+        self.pred = self.model(*self.xb)
+        self('after_pred')
+        self.loss_grad = self.loss_func(self.pred, *self.yb)
+        self.loss = self.loss_grad.clone()
+        self('after_loss')
+        if not self.training: return
+        self._backward(); self._step(); self.opt.zero_grad()
 
 class CountsSteps(Learner):
     "Its own `_step` and `_backward` (a counter around fastai's): called once per window and once per micro-batch"
@@ -129,14 +144,29 @@ def _as(learn, cls): learn.__class__ = cls; return learn
 
 @pytest.mark.parametrize('cls,cb,name', [(OwnGradOpt, lambda: GradientAccumulation(64), '_do_grad_opt'),
                                          (OwnOneBatch, lambda: GradientAccumulation(64), 'one_batch'),
-                                         (OwnDoOneBatch, lambda: MicroBatching(16, verbose=False), '_do_one_batch'),
                                          (OwnGradOpt, lambda: MicroBatching(16, verbose=False), '_do_grad_opt')])
 def test_subclass_overriding_a_takeover_is_refused(cls, cb, name):
-    learn = _as(digits_learner(16 if name != '_do_one_batch' and 'Micro' not in repr(cb()) else 64), cls)
+    learn = _as(digits_learner(16 if 'Micro' not in repr(cb()) else 64), cls)
     before = [p.detach().clone() for p in learn.model.parameters()]
     with learn.no_logging(): test_fail(lambda: learn.fit(1, cbs=cb()), contains=f'overrides Learner.{name}')
     test_is(type(learn), cls)
     assert all((p == q).all() for p,q in zip(learn.model.parameters(), before)) # refused before any step
+
+def test_microbatching_runs_a_subclass_do_one_batch_per_micro_batch():
+    "`MicroBatching` calls the Learner's own `_do_one_batch` for each micro-batch: exact, and called once per micro-batch of 16"
+    large = digits_learner(64)
+    with large.no_logging(): large.fit_one_cycle(2, 1e-2)
+    learn = _as(digits_learner(64), OwnDoOneBatch)
+    with learn.no_logging(): learn.fit_one_cycle(2, 1e-2, cbs=MicroBatching(16, verbose=False))
+    assert_same_training(large, learn, eps=1e-10)
+    test_eq(learn.n_do, 2*sum(-(-n//16) for n in micro_batch_sizes(learn.dls.train))) # 4 a batch of 64, fewer for the last
+
+@pytest.mark.parametrize('cb', [lambda: GradientAccumulation(64), lambda: MicroBatching(16, verbose=False)])
+def test_subclass_stepping_in_do_one_batch_is_refused(cb):
+    "A `_do_one_batch` with its own backward and step, not `_do_grad_opt`: it would step per micro-batch; stopped at the first"
+    learn = _as(digits_learner(16 if 'Gradient' in repr(cb()) else 64), OwnStepInDoOneBatch)
+    with learn.no_logging(): test_fail(lambda: learn.fit(1, cbs=cb()), contains='_do_one_batch returned without calling `self._do_grad_opt()`')
+    test_is(type(learn), OwnStepInDoOneBatch)
 
 def test_subclass_with_its_own_step_and_backward_is_exact():
     large = digits_learner(64)

@@ -14,7 +14,7 @@ from ..patches import *
 from ..normalize import *
 from ..distributed import *
 from ..precision import FloatGrads
-from ..messages import warn, batchnorm_message, small_accum_message, dropped_tail_message, linked
+from ..messages import warn, small_accum_message, dropped_tail_message, linked
 
 # %% auto #0
 __all__ = ['GradientAccumulation']
@@ -77,7 +77,6 @@ class GradientAccumulation(BatchSplitter):
         "Plan the epoch's windows from the loader's micro-batch sizes, where they are known ahead"
         r = self.windows
         self._drop_open_window(self.epoch-1) # an epoch cut short (`CancelEpochException`) skips `after_train`
-        self._forget_params() # the engine wraps the model after `before_fit`: its parameters are listed again
         if self.windows.world_size > 1: # fastai.distributed, imported only where processes train
             from fastxtend_accum.dealing import deal_windows, agree_processes
             # the same windows on any number of processes; the processes' settings compared before the first collective
@@ -119,8 +118,9 @@ class GradientAccumulation(BatchSplitter):
             learn.pct_train = r.mb_pct + 1./(learn.n_iter*learn.n_epoch)
 
     def train_batch(self):
-        "fastai's forward, loss and `_do_grad_opt`"
+        "The Learner's forward, loss and `_do_grad_opt` (fastai's `_do_one_batch`, or a subclass's that calls `_do_grad_opt`)"
         self.learn._do_one_batch()
+        self._grad_opt_ran(self.windows.window.mb_done)
 
     def grad_opt(self):
         "fastai's `_do_grad_opt` for a micro-batch: backward always; the step events, step and `zero_grad` once per window"
@@ -174,14 +174,6 @@ class GradientAccumulation(BatchSplitter):
         "This epoch's window: at `before_step`/`after_step`, the `iter` the large batch has there (fastai's `iter` counts micro-batches)"
         return self.windows.i_window
     @property
-    def counter(self):
-        "What the micro-batches' items are counted by (what `normalize_by='auto'` read)"
-        return self.windows.counter
-    @property
-    def fgrads(self)->FloatGrads:
-        "The 16-bit parameters' float32 window sums (see `precision`)"
-        return self.windows.fgrads
-    @property
     def n_steps(self)->int:
         "Optimizer steps that ran this fit (not cancelled in `before_step`)"
         return self.windows.n_steps
@@ -229,8 +221,7 @@ class GradientAccumulation(BatchSplitter):
         # from its loss (no op)
         r.mb_items = n if r.by_samples else None
         if r.rate is None and r.sync.world_size > 1 and not r.by_samples: # the fit's first micro-batch, on every process
-            c,m = r.sync.sum(check_count(self.normalize_by, r.counter(learn.xb, learn.yb)), n)
-            r.rate = c/m # items per sample over all processes, as yielded: the first window's rho, the same everywhere (any is exact)
+            r.first_rate(check_count(self.normalize_by, r.counter(learn.xb, learn.yb)), n) # as yielded: the first window's rho
         if r.plan is not None and n != r.plan.sizes[learn.iter] and not r.count_globally:
             if r.sync.world_size > 1: raise RuntimeError(linked(f"Process {r.sync.rank}'s training loader yielded a micro-batch of {n} "
                 f"samples where its plan expected {r.plan.sizes[learn.iter]}: the processes' windows could differ", 'plan'))
@@ -248,7 +239,7 @@ class GradientAccumulation(BatchSplitter):
             # a fastai loader drew its shuffle up front: skip the compute of the short window `drop_last` discards. A PyTorch
             # sampler may draw from its seeded generator until exhausted: run the loader to its end, and discard the window then
             if isinstance(self.dl, FastaiDataLoader): r.skipped_tail = True; raise CancelTrainException()
-        self._check_bn(n)
+        if (msg := r.check_bn(self.model)) is not None: self._warn_once('batchnorm', msg)
         r.i_window += 1
         bs = self._window_bs()
         r.window_bs,r.window_gbs,r.n_global = self.windows.per_process(bs),self.windows.over_processes(bs),0
@@ -269,19 +260,7 @@ class GradientAccumulation(BatchSplitter):
         if r.plan is not None: return fills(r.window.seen + n, r.window_bs)
         return fills(r.n_global, r.window_gbs)
 
-    # the backward, and what ends a micro-batch
-    def _backward(self):
-        "The micro-batch's backward, of its loss weighted after every `before_backward` callback (a term they added too)"
-        learn,r = self.learn,self.windows
-        w = r.window
-        if w.ref is None and not w.sum_reduced: w.ref = r.ref()
-        c = r.mb_items
-        learn.loss_grad = w.weighted(learn.loss_grad, c) # loss_i * items_i/rho, on the device: no sync
-        if r.guards_zero: self._zero_guard(c)
-        learn._backward()
-        w.add_backward(r.mb_samples, c, learn.loss.detach(), learn.loss_grad.detach())
-        if r.checks_counts: w.items_min = c if w.items_min is None else torch.minimum(w.items_min, c) # checked at the step
-
+    # what ends a micro-batch
     def _end_micro_batch(self):
         "Once per micro-batch, after its backward or its cancel: a stand-in backward where the engine needs one, then the window's step"
         r = self.windows
@@ -307,23 +286,16 @@ class GradientAccumulation(BatchSplitter):
         if r.checks_counts and not w.sum_reduced and w.items_min is not None: # a user's counts: one sync per step
             w.settle()
             check_counts(self.normalize_by, w.items_min, w.items)
-        if w.ref is None and not w.sum_reduced: w.ref = r.ref() # no backward ran here: the same rho as elsewhere
-        c,held,l = window_totals(w, window_key(self.epoch, r.i_window), sync.reduce, sync.world_size, sync.rank, sync.device)
+        # its totals over processes, the next rho, its loss, and its exact gradient (`Windows.close`)
+        held = r.close(window_key(self.epoch, r.i_window), self._grads)
         if not held: return self._abandon_window() # over all processes, every micro-batch was cancelled
-        if sync.world_size > 1 and not w.sum_reduced: r.rate = c/held # the next window's rho: the same on every process
         if 'size' not in r.warned and r.overfilled(): self._warn_once('size', small_accum_message(r.window_bs, r.mb_samples,
             type(self).__name__) if r.mb_samples > r.window_bs and not r.count_globally else r.size_message(held))
-        w.record = w.loss(c, l)
-        scale = w.scale(sync.world_size, c)
-        # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
-        summed = r.fgrads.to_grads(scale, sync) # the model's: a loss's parameters, outside it, are scaled here
-        if scale is not None: scale_grads(self._grads(model=not summed), scale)
-        w.done,w.stepped,w.held = True,True,held
         r.train_step += 1
         # the step events see the large batch's loss: the window's (a NaN in any micro-batch too), and the loss whose gradient it is
         mb_loss,mb_loss_grad = getattr(learn, 'loss', None),getattr(learn, 'loss_grad', None) # none: cancelled here, not elsewhere
         learn.loss = w.record if mb_loss is None else w.record.to(mb_loss.dtype)
-        learn.loss_grad = w.loss_grad(scale, learn.loss)
+        learn.loss_grad = w.loss_grad(w.grad_scale, learn.loss)
         # `before_step` callbacks (clipping, fp16 unscaling, a user's guard) see the window's mean gradient; a
         # `CancelStepException` skips the window, and fastai's `zero_grad` clears it, as on the large batch
         try: learn._with_events(self._step, 'step', CancelStepException)
@@ -355,10 +327,10 @@ class GradientAccumulation(BatchSplitter):
 
     # the engine
     def _setup_sync(self):
-        "The sync object of the model's engine (fastai's `DistributedTrainer` wraps the model after our `before_fit`)"
+        "The sync object of the model's engine, checked against the processes sizes were planned for; the processes' plans compared"
         r = self.windows
-        if r.sync.model is not self.model:
-            r.sync,n = window_sync(self.model, self.grad_sync),r.world_size
+        if self._engine(): # fastai's `DistributedTrainer` wraps the model after our `before_fit`
+            n = r.world_size
             if self.global_bs and r.sync.world_size != n: # sizes were planned for `n` processes since `before_fit`
                 raise raised_everywhere(ValueError(linked(f"`global_bs=True` shares accum_bs={self.accum_bs} over the {n} processes of torch.distributed's "
                     f"default process group, but the model ({type(self.model).__name__}) trains on {r.sync.world_size}: wrap it "
@@ -369,7 +341,6 @@ class GradientAccumulation(BatchSplitter):
                                          f"{self.windows.per_process(self.accum_bs)} samples per process x {n} processes", 'global-bs'))
                 else: print(linked(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "
                             f"{self.accum_bs*n} samples per optimizer step", 'global-bs'))
-        r.fgrads.check(r.sync)
         if r.sync.world_size == 1: r.count_globally = False; return
         # processes whose plans differ close windows on the global count; a plan read ahead is checked on every micro-batch
         n = len(self.dl) if r.plan is None else len(r.plan.sizes) # what this process yields, whatever `len` says
@@ -388,17 +359,11 @@ class GradientAccumulation(BatchSplitter):
         "Drop the open window's gradients, if any"
         r = self.windows
         if not r.open: return
-        r.fgrads.drop()
         if self._learn is not None: self._zero_grads()
+        else: r.fgrads.drop()
         r.window.done = True
 
     # said once
-    def _check_bn(self, n:int|None=None):
-        r = self.windows
-        if r.bn_checked: return # once per fit, at its first window (the model is in training mode by then)
-        r.bn_checked = True
-        if (msg := batchnorm_message(self.model)) is not None: self._warn_once('batchnorm', msg)
-
     def _warn_once(self, key, msg):
         if key in self.windows.warned: return
         self.windows.warned.add(key)

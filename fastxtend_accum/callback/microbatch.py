@@ -11,9 +11,9 @@ from ..window import *
 from ..plan import *
 from ..patches import *
 from ..normalize import *
-from ..distributed import WindowSync, window_sync, check_grad_sync, split_loader
+from ..distributed import WindowSync, check_grad_sync, split_loader
 from ..precision import FloatGrads
-from ..messages import warn, batchnorm_message, linked
+from ..messages import warn, linked
 
 # %% auto #0
 __all__ = ['split_sizes', 'next_micro_bs', 'slice_batch', 'MixSplit', 'RowStates', 'MicroBatching']
@@ -52,11 +52,6 @@ def slice_batch(b, # A batch: tensors, in tuples, lists and dicts
     return b
 
 # %% ../../nbs/callback.microbatch.ipynb #8b4e29ff
-def _zero_loss(pred):
-    "A loss of exactly 0 that still back-propagates through `pred`: for a micro-batch with no items to average over"
-    ts = [t for t in (pred if is_listy(pred) else [pred]) if isinstance(t, Tensor) and t.requires_grad]
-    return sum(t.sum() for t in ts)*0 if ts else None
-
 class MixSplit:
     "fastai's `MixUp` and `CutMix` (any callback holding `yb1` and `lam`) mix the whole batch: their second targets and `lam`, per micro-batch"
     def __init__(self,
@@ -130,7 +125,7 @@ class MicroBatching(BatchSplitter):
     order,run_valid = 0,False # it takes over the forward and backward of training batches; validation is fastai's own
     timer = staticmethod(time.perf_counter) # the clock 'fastest' times steps with
     log_accum_batch,taking_batches = False,False # its batches are optimizer steps: fastai records them as they are
-    takes_over = ('one_batch', '_do_one_batch', '_do_grad_opt') # the Learner's methods its fit takes over (`patches`)
+    takes_over = ('one_batch', '_do_grad_opt') # the Learner's methods its fit takes over (`patches`)
     def __init__(self,
         micro_bs:int|str='auto', # Micro-batch size, 'auto' (the largest that fits) or 'fastest'
         normalize_by:str|Callable='auto', # 'auto' (read the loss), 'samples', (xb, yb) -> count
@@ -144,12 +139,13 @@ class MicroBatching(BatchSplitter):
         if not (isinstance(micro_bs, str) and micro_bs in ('auto', 'fastest')):
             try: micro_bs = check_positive_int('micro_bs', micro_bs)
             except ValueError: raise ValueError(linked(f"`micro_bs` must be a positive integer, 'auto' or 'fastest', got {micro_bs!r}", 'arguments')) from None
-        self.micro_bs,self.normalize_by,self.counter = micro_bs,normalize_by,item_counter(normalize_by)
+        self.micro_bs,self.normalize_by,r = micro_bs,normalize_by,Windows() # the window engine (`window`): a batch is a window
+        r.counter,r.sync = item_counter(normalize_by),WindowSync()
         self.n_timed,self.n_candidates = check_positive_int('n_timed', n_timed),check_positive_int('n_candidates', n_candidates)
         self.keep_pred,self.verbose = check_bool('keep_pred', keep_pred),check_bool('verbose', verbose)
-        self.grad_sync,self.sync = check_grad_sync(grad_sync),WindowSync()
-        self.accum_dtype,self.fgrads = accum_dtype,FloatGrads(accum_dtype, type(self).__name__) # see `precision`
-        self._auto = auto_normalize(normalize_by, type(self).__name__, self.verbose) # 'auto': read from each epoch's loss
+        self.grad_sync,self.windows = check_grad_sync(grad_sync),r
+        self.accum_dtype,r.fgrads = accum_dtype,FloatGrads(accum_dtype, type(self).__name__) # see `precision`
+        r.auto = auto_normalize(normalize_by, type(self).__name__, self.verbose) # 'auto': read from each epoch's loss
         self._saved,self._mp,self.chosen_micro_bs,self.ooms,self.throughput = None,None,None,[],{}
 
     def before_fit(self):
@@ -158,18 +154,21 @@ class MicroBatching(BatchSplitter):
         fit = take_over(self.learn, self) # the Learner's fit class, until the fit ends (`patches`)
         callback_methods(self.learn, self, fit, only={'WandbCallback.before_fit'}) # its batches are steps: fastai's records, W&B's config fixed
         self.taking_batches = True # `Learner.one_batch` (the fit class) hands training batches to `train_batch`
-        self.fgrads.attach(self.learn.model)
+        r = self.windows
+        r.start_fit(1, r.sync) # the processes: the model's engine's, at `before_train`
+        r.fgrads.attach(self.learn.model)
         self.limit = self.micro_bs if isinstance(self.micro_bs, int) else None # largest micro-batch; `None`: the whole batch
-        self.chosen_micro_bs,self.ref_bs,self.ooms,self.throughput,self.rho = None,None,[],{},None
-        if self._auto is not None: self._auto.start_fit()
-        self._cands,self._warm,self._reported,self._warned,self._awd = None,False,None,False,None
+        self.chosen_micro_bs,self.ref_bs,self.ooms,self.throughput = None,None,[],{}
+        if r.auto is not None: r.auto.start_fit()
+        self._cands,self._warm,self._reported,self._awd = None,False,None,None
 
     def before_train(self):
         "Find fastai's `MixedPrecision`, whose autocast each micro-batch reopens, and the sync object of the model's engine"
         mp = fastai_class('fastai.callback.fp16', 'MixedPrecision')
         self._mp = None if mp is None else next((cb for cb in self.learn.cbs if isinstance(cb, mp)), None)
-        self._forget_params() # the engine wraps the model after `before_fit`: its parameters are listed again
-        if self.sync.model is not self.learn.model: self.sync = window_sync(self.learn.model, self.grad_sync)
+        r = self.windows
+        self._engine() # the engine wraps the model after `before_fit`
+        r.world_size = r.sync.world_size
         if self.sync.sharded and not isinstance(self.micro_bs, int): # an OOM mid-forward would leave the others in an all-gather
             raise raised_everywhere(ValueError(linked(f"MicroBatching(micro_bs={self.micro_bs!r}) cannot search for a size on a "
                                                f"sharded model ({type(self.learn.model).__name__}): pass the micro-batch size, e.g. `micro_bs=8`", 'microbatch-sharded')))
@@ -178,8 +177,7 @@ class MicroBatching(BatchSplitter):
             except TypeError: n = None # a loader that cannot tell: its batches are counted as they come
             if n is not None: plans_agree(None, n, False, self.sync.reduce, self.sync.world_size, self.sync.rank, self.sync.device,
                                           self.sync.engine, unit='batches')
-        self.fgrads.check(self.sync)
-        if self._auto is not None: self._auto.pending = True # read at the first batch, after every `before_train`
+        if r.auto is not None: r.auto.pending = True # read at the first batch, after every `before_train`
 
     def before_batch(self):
         "At the epoch's first batch, under fastai's `DistributedDL`: the epoch's batches as this process yields them"
@@ -190,13 +188,13 @@ class MicroBatching(BatchSplitter):
 
     def after_train(self):
         "'auto' checks what it knew ahead once an epoch"
-        if self._auto is not None: self._auto.check()
+        if self.windows.auto is not None: self.windows.auto.check()
 
     def after_fit(self):
         "Give the training batches back to fastai"
         self.taking_batches = False
         self.fgrads.detach()
-        if self._auto is not None: self._auto.check() # a fit cancelled mid-epoch
+        if self.windows.auto is not None: self.windows.auto.check() # a fit cancelled mid-epoch
 
     def end_fit(self):
         "However the fit ended: no gradients, no open autocast, the training batches back to fastai"
@@ -210,11 +208,11 @@ class MicroBatching(BatchSplitter):
         return contextlib.nullcontext()
     def train_batch(self):
         "fastai's `_do_one_batch` for a training batch, with the forward and backward done micro-batch by micro-batch"
-        learn = self.learn
+        learn,r = self.learn,self.windows
         if not len(learn.yb): return learn._do_one_batch()
         xb,yb = learn.xb,learn.yb
-        if self._auto is not None and self._auto.pending: # the training set is read on one process only: all of them must count alike
-            self.counter = self._auto.counter(learn.loss_func, xb, yb, self.dl if self.sync.world_size == 1 else None, final=True)
+        if r.auto is not None and r.auto.pending: # the training set is read on one process only: all of them must count alike
+            r.counter = r.auto.counter(learn.loss_func, xb, yb, self.dl if self.sync.world_size == 1 else None, final=True)
         n = find_bs(yb)
         if self.ref_bs is None: self.ref_bs = n # the batch size 'fastest' times, and that 'auto' reports
         timed = self._timed(n)
@@ -222,7 +220,7 @@ class MicroBatching(BatchSplitter):
         had_oom,self._autocast_open = False,self._mp is not None # `MixedPrecision.before_batch` opened autocast
         while True:
             sizes = self._split(n)
-            a = self._auto # 'auto' keeps each micro-batch's count for the epoch's check: a failed attempt's go with it
+            a = r.auto # 'auto' keeps each micro-batch's count for the epoch's check: a failed attempt's go with it
             seen = (list(a.seen),a.expected,a.total) if a is not None else None
             try: res = self._micro_batches(xb, yb, sizes)
             except torch.OutOfMemoryError:
@@ -236,12 +234,12 @@ class MicroBatching(BatchSplitter):
             self._abandon(free=True)
             self._shrink(n, max(sizes))
             if self._mp is not None: self._mp.autocast.__enter__(); self._autocast_open = True # as `before_batch` left it, its cache empty
-        preds,learn.loss,w = res
+        preds,w = res
         learn.xb,learn.yb = xb,yb
         learn.pred = (preds[0] if len(preds) == 1 else to_concat(preds)) if self.keep_pred else None
         try:
             if self._manual_sync and not self.fgrads.reduces(self.sync): self.sync.reduce_by_hand()
-            self._over_processes(w)
+            self._close(w)
             learn._with_events(learn._step, 'step', CancelStepException)
         except BaseException: self._zero_grads(); raise # interrupted in `before_step`/`after_step`: no gradient outlives the batch
         learn.opt.zero_grad()
@@ -262,10 +260,13 @@ class MicroBatching(BatchSplitter):
         spans = [(a,b) if b > a else (0,1) for a,b in zip(accumulate([0]+sizes[:-1]), accumulate(sizes))]
         mbs = [(slice_batch(xb, a, b, n), slice_batch(yb, a, b, n)) for a,b in spans]
         # one process, one micro-batch: fastai's loss as it is; else the batch is a window (see `window`)
-        w = Window(n, getattr(self.counter, 'reduction', 'mean') == 'sum') if k > 1 or self.sync.world_size > 1 else None
+        r = self.windows
+        w = r.window = Window(n, getattr(self.counter, 'reduction', 'mean') == 'sum') if k > 1 or self.sync.world_size > 1 else None
         counts,total = self._counts(mbs, sizes, yb) if w is not None else ([None],None)
-        if w is not None and not w.sum_reduced: w.ref = self._ref(total)
-        if k > 1: self._check_bn()
+        if w is not None: # the batch's items, counted before its first forward: rho on one process; the first batch's rate on several
+            r.window_bs,w.known = n,total
+            r.first_rate(total, n)
+        if k > 1 and (msg := r.check_bn(learn.model, 'whole batch')) is not None: warn(msg, 'batchnorm')
         rows = self._row_states(n) if k > 1 else None # a recurrent model's state, handed to each micro-batch's rows
         mix = MixSplit(learn, n) if k > 1 else None
         try: return self._run_micro_batches(mbs, spans, sizes, counts, w, rows, mix)
@@ -275,65 +276,43 @@ class MicroBatching(BatchSplitter):
         finally:
             if mix is not None: mix.restore()
 
-    def _ref(self, items):
-        "rho, what the micro-batches' weights c_i/rho divide by: the batch's items on one process; the same on every process"
-        if self.sync.world_size == 1: # the weights c_i/C: nothing to correct at the step (a batch of no items: zero weights)
-            return items.clamp(min=1e-300) if isinstance(items, Tensor) else items
-        if self.rho is None: # the fit's first batch (samples: on the host, one sync a fit)
-            s = self.sync.sum(items)[0]
-            self.rho = (s if isinstance(items, Tensor) else s.item())/self.sync.world_size
-        # the previous batch's items per process, summed over processes (`_over_processes`), on the device: no sync
-        return self.rho.clamp(min=1.) if isinstance(self.rho, Tensor) else max(self.rho, 1.)
-
-    def _over_processes(self, w:Window|None):
-        "The batch's loss over all processes, and its gradient made the exact mean over what did backward (`window_totals`)"
-        sync,learn = self.sync,self.learn
-        if w is None: return self.fgrads.to_grads(None, sync) # one process, one micro-batch: a 16-bit model's sums, rounded
-        c,held,l = window_totals(w, window_key(self.epoch, self.iter), sync.reduce, sync.world_size, sync.rank, sync.device)
-        if sync.world_size > 1: # the next batch's rho: the same on every process (samples: known on the host)
-            self.rho = (held if isinstance(self.counter, SampleCount) else c)/sync.world_size
-            learn.loss = w.loss(c, l).to(learn.loss) # the loss of the global batch (every process's samples)
-        # one process: the weights c_i/C sum to 1 (a batch of no items: zero gradients), nothing to correct
-        scale = w.scale(sync.world_size, c) if sync.world_size > 1 else None
-        learn.loss_grad = w.loss_grad(scale, learn.loss) # the step events see the batch's: the loss whose gradient is the step's
-        # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
-        summed = self.fgrads.to_grads(scale, sync) # the model's: a loss's parameters, outside it, are scaled here
-        if scale is not None: scale_grads(self._grads(model=not summed), scale)
+    def _close(self, w:Window|None):
+        "The batch's loss over all processes, and its gradient made the exact mean over what did backward (`Windows.close`)"
+        learn,r = self.learn,self.windows
+        if w is None: return self.fgrads.to_grads(None, self.sync) # one process, one micro-batch: a 16-bit model's sums, rounded
+        if not r.close(window_key(self.epoch, self.iter), self._grads): # every micro-batch's backward cancelled: fastai steps anyway
+            self.fgrads.drop()
+            learn.loss = learn.loss_grad = torch.zeros_like(learn.loss.detach())
+            return
+        learn.loss = w.record.to(learn.loss) # the loss of the batch (over every process's samples)
+        learn.loss_grad = w.loss_grad(w.grad_scale, learn.loss) # the step events see the loss whose gradient is the step's
 
     def _run_micro_batches(self, mbs, spans, sizes, counts, w, rows, mix):
-        learn,k = self.learn,len(sizes)
+        "Each micro-batch through the Learner's own `_do_one_batch` (fastai's: forward, `after_pred`, loss, `after_loss`), whose `_do_grad_opt` is `grad_opt`"
+        learn,r,k = self.learn,self.windows,len(sizes)
         preds = []
         for i,((mxb,myb),c) in enumerate(zip(mbs, counts)):
             learn.xb,learn.yb = mxb,myb # callbacks see the micro-batch they act on
             if rows is not None: rows.enter(*spans[i])
             if mix is not None: mix.enter(*spans[i])
+            r.mb_items,r.mb_samples,self._grad_opt_called = c,sizes[i],False
             with self.sync.micro_batch(closes=i == k-1 and not self._manual_sync and not self.fgrads.reduces(self.sync)):
                 if self._mp is not None and not self._autocast_open: self._mp.autocast.__enter__(); self._autocast_open = True
-                learn.pred = learn.model(*learn.xb)
-                learn('after_pred')
-                learn.loss_grad = learn.loss_func(learn.pred, *learn.yb)
-                learn.loss = learn.loss_grad.clone()
-                if w is not None and self._auto is not None and self._auto.classes is not None: # looked at in `counter`: True
-                    self._auto.observe(learn.loss_grad, learn.yb, sizes[i])
-                learn('after_loss') # `MixedPrecision.after_loss` closes autocast
-                self._autocast_open = False
-                learn._with_events(partial(self._backward, w, c, sizes[i]), 'backward', CancelBackwardException)
+                learn._do_one_batch()
+            self._grad_opt_ran(self._grad_opt_called)
             if self.keep_pred and sizes[i]: preds.append(to_detach(learn.pred, cpu=False, gather=False))
             if rows is not None and sizes[i]: rows.leave()
             if i < k-1: learn.pred = learn.loss_grad = None # free this micro-batch's output before the next forward
         if rows is not None: rows.carry_on() # the whole batch's state, row by row, for the next batch
-        if w is None: return preds,learn.loss,None
-        return preds,(w.loss().to(learn.loss.dtype) if w.samples else torch.zeros_like(learn.loss.detach())),w
+        return preds,w
 
-    def _backward(self, w:Window|None, c, size:int):
-        "The micro-batch's backward, of its loss weighted after every `before_backward` callback (a term they added too)"
-        learn = self.learn
-        if w is not None and not isinstance(c, Tensor) and not c: learn.loss_grad = _zero_loss(learn.pred) # no items: an exact 0
-        elif w is not None: # items_i/rho (1 for a loss that sums), on the device where the count or rho is: no sync
-            learn.loss_grad = w.weighted(learn.loss_grad, c)
-            if isinstance(c, Tensor) and guards_zero(self.counter): self._zero_guard(c) # a count of 0: no NaN
-        if learn.loss_grad is not None: learn._backward()
-        if w is not None and size: w.add_backward(size, c, learn.loss.detach(), None if learn.loss_grad is None else learn.loss_grad.detach())
+    def grad_opt(self):
+        "A micro-batch's `_do_grad_opt`: its backward, weighted by the window's arithmetic (the batch steps once, in `train_batch`)"
+        learn,r = self.learn,self.windows
+        self._autocast_open,self._grad_opt_called = False,True # `MixedPrecision.after_loss` closed autocast
+        if r.window is not None and r.auto is not None and r.auto.classes is not None: # looked at in `counter`: True
+            r.auto.observe(learn.loss_grad, learn.yb, r.mb_samples)
+        learn._with_events(self._backward, 'backward', CancelBackwardException)
 
     def _row_states(self, n:int)->RowStates|None:
         "The model's recurrent state, row by row, for a batch split in micro-batches: its modules are scanned once a fit"
@@ -433,13 +412,3 @@ class MicroBatching(BatchSplitter):
 
     def _say(self, msg):
         if self.verbose and rank_distrib() == 0: print(linked(f"MicroBatching({self.micro_bs!r}): {msg}", 'microbatching'))
-
-    def _check_bn(self):
-        if self._warned: return
-        self._warned = True
-        if (msg := batchnorm_message(self.learn.model, 'whole batch')) is not None: warn(msg, 'batchnorm')
-
-    def _zero_grads(self):
-        "The batch's gradients dropped, and a 16-bit model's float32 sums"
-        self.fgrads.drop()
-        super()._zero_grads()
