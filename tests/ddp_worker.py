@@ -218,7 +218,7 @@ CASES = ['samples', 'tokens', 'weighted', 'uneven', 'tokens_local', 'uneven_loca
          'uneven_drop', *DEFAULTS, *SAMPLERS]
 
 def run_guest(case, out, rank):
-    "The 'samples' case with a Learner subclass whose `_step` is its own, or under a stand-in library that wraps `Learner._call_one`"
+    "The 'samples' case with a Learner subclass whose `_step` (or, under `MicroBatching`, `_do_one_batch`) is its own, or under a stand-in library that wraps `Learner._call_one`"
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
     ga,count = GradientAccumulation(ACCUM_BS, normalize_by='samples'),CountAllReduce()
     trn,val = digits_split()
@@ -240,6 +240,17 @@ def run_guest(case, out, rank):
             def _step(self): calls[0] += 1; super()._step()
         learn.__class__ = CountsSteps
         patched = None
+    elif case == 'guest_mb_subclass': # `MicroBatching` on batches that are the 'samples' case's windows (64, 64, 22 per process)
+        from fastxtend_accum.callback.microbatch import MicroBatching
+        ga = MicroBatching(MICRO_BS, normalize_by='samples', verbose=False)
+        learn = digits_learner_on(trn, val, ACCUM_BS, cbs=[ga, count])
+        class OwnDoOneBatch(type(learn)):
+            "Its own `_do_one_batch`, called once per micro-batch"
+            def _do_one_batch(self):
+                if self.training: calls[0] += 1
+                super()._do_one_batch()
+        learn.__class__ = OwnDoOneBatch
+        patched = None
     else:
         patched = Learner._call_one
         def _call_one(self, event_name): calls[0] += 1; return patched(self, event_name)
@@ -248,7 +259,8 @@ def run_guest(case, out, rank):
         with learn.no_logging(), learn.no_bar(), learn.distrib_ctx(cpu=True): learn.fit(N_EPOCH)
     finally:
         if patched is not None: Learner._call_one = patched
-    torch.save(dict(params=[p.detach().clone() for p in learn.model.parameters()], n_steps=ga.n_steps, extra=calls[0]),
+    n_steps = ga.n_steps if hasattr(ga, 'n_steps') else len(learn.recorder.losses) # `MicroBatching`: a step a batch
+    torch.save(dict(params=[p.detach().clone() for p in learn.model.parameters()], n_steps=n_steps, extra=calls[0]),
                os.path.join(out, f'{case}-rank{rank}.pt'))
 
 def run_case(case, out, rank):

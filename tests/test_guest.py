@@ -222,13 +222,17 @@ def test_another_library_patching_fastai(first, tmp_path):
 
 # ---- the same on 2 gloo processes ----
 def test_two_processes(tmp_path):
-    "The subclass with its own `_step` and the stand-in patcher on 2 processes (DDP, gloo) against one process on the global windows"
+    """The subclass with its own `_step` (`GradientAccumulation`) or `_do_one_batch` (`MicroBatching`) and the stand-in
+    patcher on 2 processes (DDP, gloo) against one process on the global windows"""
     import test_distributed as TD, ddp_worker as W
+    cases = ['guest_subclass', 'guest_mb_subclass', 'guest_patcher']
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-           f'--master_port={TD.free_port()}', TD.WORKER, str(tmp_path), 'guest_subclass,guest_patcher']
-    res,_ = TD.launch(cmd, tmp_path, ['guest_subclass', 'guest_patcher'])
+           f'--master_port={TD.free_port()}', TD.WORKER, str(tmp_path), ','.join(cases)]
+    res,_ = TD.launch(cmd, tmp_path, cases)
     ref = TD.reference('samples')
-    for case in ('guest_subclass', 'guest_patcher'):
+    # `MicroBatching`: its `_do_one_batch` once per micro-batch of 16 of each process's batches of 64, 64 and 22
+    test_eq(res['guest_mb_subclass'][0]['extra'], W.N_EPOCH*(4+4+2))
+    for case in cases:
         r0,r1 = res[case]
         d = TD.max_diff(r0['params'], [p.detach() for p in ref.model.parameters()])
         print(f'{case}: max |param diff| vs one process on the global windows {d:.3g}')
