@@ -357,7 +357,7 @@ class Windows:
                 )->Tensor|None:
         "The micro-batch's loss times items/rho (rho fixed at the window's first); `None` for a count of 0 on the host: it adds nothing"
         w,c = self.window,self.mb_items
-        if not isinstance(c, Tensor) and not c and not w.sum_reduced: return None
+        if not isinstance(c, Tensor) and not c: return None # a stand-in (`MicroBatching`), a count of 0: an exact 0
         if w.ref is None and not w.sum_reduced: w.ref = self.ref()
         return w.weighted(loss, c) # on the device where the count or rho is: no sync
 
