@@ -104,6 +104,14 @@ class _Fit:
 
 def _fit_of(learn)->_Fit|None: return vars(learn).get('_fxa_fit')
 
+def _batch_owner(learn)->AccumView|None:
+    "`training_owner` inside the fit class, without looking through the callbacks: the fit's owner while it trains and holds its batches"
+    if not learn.training: return None
+    o = learn.__dict__['_fxa_fit'].owners.get('accum')
+    if o is None: return None
+    d = o.__dict__ # `remove_cb` mid-fit ends its fit (`end_fit`): no flag, fastai's own
+    return o if d.get('accumulating') or d.get('taking_batches') else None
+
 FAST = dict(dispatch=True, items=True, copies=True) # the fit class's own event dispatch, item path and loader copies (tests turn them off)
 FIT_PARTS = [] # classes of Learner methods other modules take over for a fit (`sharded`'s, for a sharded model)
 FIT_HOOKS = [] # functions (learn, fit) other modules run when a fit is taken over (checks, a callback's method for the fit)
@@ -221,7 +229,7 @@ class FitTakeover:
     def one_batch(self, i, b):
         "fastai's `one_batch`; for a training batch, inside the owner's `micro_batch` and with its `train_batch`"
         __tracebackhide__ = True
-        acc = training_owner(self)
+        acc = _batch_owner(self)
         if acc is None: return super().one_batch(i, b)
         self.iter = i
         b = _on_device(self, b)
@@ -233,7 +241,7 @@ class FitTakeover:
     def _do_grad_opt(self):
         "fastai's backward, step and `zero_grad`; while training, the accumulation callback's (the step once per window)"
         __tracebackhide__ = True
-        acc = training_owner(self)
+        acc = _batch_owner(self)
         if acc is None: return super()._do_grad_opt()
         acc.grad_opt()
 
@@ -241,7 +249,7 @@ class FitTakeover:
     def all_batches(self):
         "fastai's `all_batches`; while training, the loader's item path taken over for the epoch (`DataLoader.create_batches`)"
         __tracebackhide__ = True
-        if training_owner(self) is None: return super().all_batches()
+        if _batch_owner(self) is None: return super().all_batches()
         with contextlib.ExitStack() as stack:
             if self._fast_items: stack.enter_context(_item_path(self.dl))
             if FAST['copies']: stack.enter_context(_copies_non_blocking(self, self.dl))

@@ -285,6 +285,7 @@ class Windows:
     mb_samples:int = 0
     mb_items = 0           # its count; None: counted at the backward, of the targets the loss sees
     pred_mark = None       # `learn.pred` before the micro-batch: tells whether its forward ran
+    grad_opt_ran:bool = False # the Learner's `_do_one_batch` called `_do_grad_opt` for it (`MicroBatching` checks)
 
     def __init__(self): self.warned = set()
     def start_fit(self,
@@ -369,7 +370,7 @@ class Windows:
         w,c = self.window,self.mb_items
         if not self.mb_samples: return
         w.add_backward(self.mb_samples, c, loss, loss_grad)
-        if self.checks_counts and w.known is None: w.items_min = c if w.items_min is None else torch.minimum(w.items_min, c)
+        if w.known is None and self.checks_counts: w.items_min = c if w.items_min is None else torch.minimum(w.items_min, c)
 
     def close(self,
               key:int, # The window's position (`window_key`), compared over processes

@@ -290,16 +290,16 @@ class MicroBatching(BatchSplitter):
     def _run_micro_batches(self, mbs, spans, sizes, counts, w, rows, mix):
         "Each micro-batch through the Learner's own `_do_one_batch` (fastai's: forward, `after_pred`, loss, `after_loss`), whose `_do_grad_opt` is `grad_opt`"
         learn,r,k = self.learn,self.windows,len(sizes)
-        preds = []
+        preds,sync,last_syncs = [],r.sync,not self._manual_sync and not r.fgrads.reduces(r.sync)
         for i,((mxb,myb),c) in enumerate(zip(mbs, counts)):
             learn.xb,learn.yb = mxb,myb # callbacks see the micro-batch they act on
             if rows is not None: rows.enter(*spans[i])
             if mix is not None: mix.enter(*spans[i])
-            r.mb_items,r.mb_samples,self._grad_opt_called = c,sizes[i],False
-            with self.sync.micro_batch(closes=i == k-1 and not self._manual_sync and not self.fgrads.reduces(self.sync)):
+            r.mb_items,r.mb_samples,r.grad_opt_ran = c,sizes[i],False
+            with sync.micro_batch(closes=i == k-1 and last_syncs):
                 if self._mp is not None and not self._autocast_open: self._mp.autocast.__enter__(); self._autocast_open = True
                 learn._do_one_batch()
-            self._grad_opt_ran(self._grad_opt_called)
+            self._grad_opt_ran(r.grad_opt_ran)
             if self.keep_pred and sizes[i]: preds.append(to_detach(learn.pred, cpu=False, gather=False))
             if rows is not None and sizes[i]: rows.leave()
             if i < k-1: learn.pred = learn.loss_grad = None # free this micro-batch's output before the next forward
@@ -309,7 +309,9 @@ class MicroBatching(BatchSplitter):
     def grad_opt(self):
         "A micro-batch's `_do_grad_opt`: its backward, weighted by the window's arithmetic (the batch steps once, in `train_batch`)"
         learn,r = self.learn,self.windows
-        self._autocast_open,self._grad_opt_called = False,True # `MixedPrecision.after_loss` closed autocast
+        # `MixedPrecision.after_loss` closed autocast: the callback's own flag, written without fastai's `Callback.__setattr__`
+        # (which looks the name up on the Learner, once per micro-batch here)
+        self.__dict__['_autocast_open'],r.grad_opt_ran = False,True
         if r.window is not None and r.auto is not None and r.auto.classes is not None: # looked at in `counter`: True
             r.auto.observe(learn.loss_grad, learn.yb, r.mb_samples)
         learn._with_events(self._backward, 'backward', CancelBackwardException)
