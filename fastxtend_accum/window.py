@@ -265,6 +265,7 @@ class Windows:
     world_size:int = 1     # processes the fit trains over
     global_bs:bool = False # window sizes count samples over all processes (the callback's `global_bs`)
     rate = None            # items per sample over all processes (several processes)
+    mean_bs = None         # samples per process in the last window, over all processes (several processes)
     train_step:int = 0     # optimizer steps taken (windows closed) this fit
     n_steps:int = 0        # optimizer steps that ran (not cancelled)
     bn_checked:bool = False
@@ -348,10 +349,10 @@ class Windows:
                    items, # The fit's first micro-batch's count (of a window counted ahead: the window's)
                    samples:int, # ...and samples
                   ):
-        "At the fit's first window, over several processes: items per sample over all of them, the first rho everywhere (one all-reduce a fit)"
-        if self.rate is None and self.world_size > 1 and not self.by_samples:
+        "At the fit's first window, over several processes: items per sample and samples per process over all of them, the first rho everywhere (one all-reduce a fit)"
+        if self.rate is None and self.world_size > 1:
             c,m = self.sync.sum(items, samples)
-            self.rate = c/m # any rho is exact if the whole window uses it; the same on every process
+            self.rate,self.mean_bs = c/m,m/self.world_size # any rho is exact if the whole window uses it; the same on every process
 
     def weighted(self,
                  loss:Tensor, # The micro-batch's loss, after every `before_backward` callback
@@ -381,7 +382,9 @@ class Windows:
         if w.ref is None and not w.sum_reduced: w.ref = self.ref() # no backward ran here: the same rho as elsewhere
         c,held,l = window_totals(w, key, sync.reduce, sync.world_size, sync.rank, sync.device)
         if not held: return 0
-        if sync.world_size > 1 and not w.sum_reduced: self.rate = c/held # the next window's rho: the same on every process
+        if sync.world_size > 1: # the next window's rho: the same on every process
+            self.mean_bs = held/sync.world_size
+            if not w.sum_reduced: self.rate = c/held
         w.record = w.loss(c, l)
         w.grad_scale = scale = w.scale(sync.world_size, c)
         # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled

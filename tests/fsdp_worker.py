@@ -243,7 +243,7 @@ def local_cls(cls):
             self.windows.sync,self.windows.count_globally = WindowSync(self.model),False
         def before_train(self):
             super().before_train()
-            if not hasattr(cls, '_setup_sync'): self.sync = WindowSync(self.learn.model) # MicroBatching
+            if not hasattr(cls, '_setup_sync'): self.windows.sync,self.windows.world_size = WindowSync(self.learn.model),1 # MicroBatching
     Local.__name__ = f'Local{cls.__name__}'
     return Local
 

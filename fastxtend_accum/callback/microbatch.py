@@ -263,9 +263,11 @@ class MicroBatching(BatchSplitter):
         r = self.windows
         w = r.window = Window(n, getattr(self.counter, 'reduction', 'mean') == 'sum') if k > 1 or self.sync.world_size > 1 else None
         counts,total = self._counts(mbs, sizes, yb) if w is not None else ([None],None)
-        if w is not None: # the batch's items, counted before its first forward: rho on one process; the first batch's rate on several
-            r.window_bs,w.known = n,total
-            r.first_rate(total, n)
+        if w is not None: # the batch's items, counted before its first forward: rho on one process
+            w.known = total
+            r.first_rate(total, n) # several processes: the first batch's items per sample and samples per process over all of them
+            # rho is the same on every process (their last batches can differ): the last batch's samples per process, not this one's
+            r.window_bs = n if r.world_size == 1 else r.mean_bs
         if k > 1 and (msg := r.check_bn(learn.model, 'whole batch')) is not None: warn(msg, 'batchnorm')
         rows = self._row_states(n) if k > 1 else None # a recurrent model's state, handed to each micro-batch's rows
         mix = MixSplit(learn, n) if k > 1 else None
