@@ -352,8 +352,9 @@ class MicroBatching(BatchSplitter):
         return bool(fits)
 
     def _abandon(self, free:bool=False):
-        "Drop what an attempt that did not finish left: its gradients, autocast, and (`free`) the memory the allocator keeps"
+        "Drop what an attempt that did not finish left: its window (its micro-batches' losses), gradients, autocast, and (`free`) the memory the allocator keeps"
         if self._autocast_open: self._mp.autocast.__exit__(None, None, None); self._autocast_open = False
+        self.windows.window = None
         self._zero_grads() # the batch restarts from zero gradients: nothing is counted twice
         if not free: return
         gc.collect()
