@@ -130,9 +130,13 @@ def check_one_learner(cb:Callback, learn:Learner|None):
                          f"model {type(old.model).__name__}): give each Learner its own {type(cb).__name__}, or `remove_cb` it first", 'other-learner'))
 
 # %% ../nbs/plan.ipynb #6fc38641
+def _grad_outputs(pred)->list:
+    "The tensors of a model's output `pred` (a tensor, or a tuple or list of them) that back-propagate"
+    return [t for t in (pred if is_listy(pred) else [pred]) if isinstance(t, Tensor) and t.requires_grad]
+
 def _zero_loss(pred):
     "A loss of exactly 0 that still back-propagates through `pred`: for a micro-batch with no items to average over"
-    ts = [t for t in (pred if is_listy(pred) else [pred]) if isinstance(t, Tensor) and t.requires_grad]
+    ts = _grad_outputs(pred)
     return sum(t.sum() for t in ts)*0 if ts else None
 
 class BatchSplitter(LeftOutOfExport, Callback):
@@ -194,9 +198,7 @@ class BatchSplitter(LeftOutOfExport, Callback):
 
     def _zero_guard(self, c:Tensor):
         "A micro-batch with no items (only zero class weights) adds nothing: its loss is 0/0, and its gradient would be NaN"
-        pred = self.learn.pred
-        for t in (pred if is_listy(pred) else [pred]):
-            if isinstance(t, Tensor) and t.requires_grad: t.register_hook(lambda g: torch.where(c > 0, g, 0.))
+        for t in _grad_outputs(self.learn.pred): t.register_hook(lambda g: torch.where(c > 0, g, 0.))
     def _grads(self, model:bool=True)->list:
         "The gradients of the model (unless `model=False`) and of every parameter the optimizer holds outside it (a loss's, through `splitter`)"
         learn,ps = self._learn,self.__dict__.get('_params')

@@ -9,7 +9,7 @@ from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader
 from ..window import *
 from ..plan import *
-from ..plan import _read_ahead
+from ..plan import _read_ahead, _grad_outputs
 from ..patches import *
 from ..normalize import *
 from ..distributed import *
@@ -275,7 +275,7 @@ class GradientAccumulation(BatchSplitter):
         "Run the collectives a cancelled micro-batch skipped, with a zero gradient: every process's engine communicates alike"
         learn = self.learn
         pred = learn.pred if vars(learn).get('pred') is not self.windows.pred_mark else learn.model(*learn.xb)
-        outs = [t for t in (pred if is_listy(pred) else [pred]) if isinstance(t, Tensor) and t.requires_grad]
+        outs = _grad_outputs(pred)
         if outs: torch.autograd.backward(outs, [torch.zeros_like(t) for t in outs])
 
     def _step_window(self):
