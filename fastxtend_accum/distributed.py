@@ -56,6 +56,7 @@ class WindowSync:
     (`all_reduce`); the window's arithmetic is in `window`. Collectives per window: none."""
     world_size,rank,sharded,device = 1,0,False,None
     lockstep = False # whether every micro-batch communicates: each process must run as many forwards and backwards
+    communicating = False # whether the running micro-batch communicates (its backward all-reduces): `failfast.Watch` reads it
     def __init__(self, model:nn.Module|None=None, # The model as the Learner holds it (wrapped, if it is)
                  grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': the engine's default
                 ): self.model,self.grad_sync = model,check_grad_sync(grad_sync)
@@ -67,9 +68,12 @@ class WindowSync:
         return _NOTHING if type(self)._policy is WindowSync._policy else self._held(closes)
     @contextlib.contextmanager
     def _held(self, closes:bool):
-        with contextlib.ExitStack() as stack:
-            self._policy(stack, closes)
-            yield
+        self.communicating = closes or self.lockstep
+        try:
+            with contextlib.ExitStack() as stack:
+                self._policy(stack, closes)
+                yield
+        finally: self.communicating = False
     def _policy(self, stack:contextlib.ExitStack, closes:bool):
         "Enter on `stack` what the engine needs for a micro-batch: nothing on one process"
     def needs_stand_in(self, closes:bool)->bool:

@@ -4,17 +4,18 @@
 
 # %% ../nbs/failfast.ipynb #d4cd7540
 from __future__ import annotations
-import contextlib
+import contextlib, inspect, os, sys, threading, time
 import torch.distributed as dist
 from .messages import linked
 
 # %% auto #0
-__all__ = ['FAILED_KEY', 'GRACE_S', 'LOST_KEY', 'REPORT_S', 'PeerProcessFailed', 'describe', 'failed_key', 'failed_processes',
-           'keep_group', 'stop_peers']
+__all__ = ['FAILED_KEY', 'GRACE_S', 'STOPPED_KEY', 'WAITING_KEY', 'FITTING_KEY', 'WAIT_S', 'POLL_S', 'LOST_KEY', 'ALIVE_KEY',
+           'NEWS_KEY', 'SILENT_KEY', 'REPORT_S', 'PeerProcessFailed', 'describe', 'failed_key', 'failed_processes',
+           'Watch', 'watch', 'unwatch', 'keep_group', 'release_group', 'stop_peers']
 
 # %% ../nbs/failfast.ipynb #148db410
 FAILED_KEY = 'fastxtend_accum/failed/' # + '<rank>/<n>': "ExcType: message" of the n-th fit that raised on process <rank>
-GRACE_S = 10. # seconds a failing process waits for every other one to fail too (an error all of them raise) before it stops them
+GRACE_S = 10. # seconds a failing process waits for a process outside its fit to fail too (an error all of them raise) before it stops them
 _kept,_n_failed = [],0 # destroyed groups' stores (rank 0 serves it outside torchrun); fits that raised in this group
 
 class PeerProcessFailed(RuntimeError):
@@ -57,21 +58,117 @@ def _wait(store, keys:list[str], seconds:float)->bool:
     try: store.wait(keys, timedelta(seconds=seconds)); return True
     except Exception: return False
 
-def _all_failed(store, world:int, rank:int, n:int)->bool:
-    "Whether every other process's `n`-th failing fit raised too, within `GRACE_S` seconds (then no process waits for another)"
-    return _wait(store, [failed_key(r, n) for r in range(world) if r != rank], GRACE_S)
+STOPPED_KEY = 'fastxtend_accum/stopped/' # + '<rank>/<n>': a process that stopped its fit before its next collective: a peer failed
+WAITING_KEY = 'fastxtend_accum/waiting/' # + '<rank>/<n>': a process waiting in a collective when a peer's fit failed
+FITTING_KEY = 'fastxtend_accum/fitting/' # + '<rank>/<n>': a process in a fit that `Watch` watches (it stops at its next batch)
+WAIT_S = 60. # seconds a failing process waits at most for a peer that is in its fit and neither fails, stops nor waits in a collective
+POLL_S = .2 # how often a `Watch` looks for a peer's failure
+
+def _resolved(store, world:int, rank:int, n:int)->dict[int,str]:
+    "Each other process's `n`-th state since a fit failed ('failed', 'stopped' or 'waiting' in a collective), or 'fitting' / None (not in a fit)"
+    res = {}
+    for r in range(world):
+        if r == rank: continue
+        res[r] = next((k for k,key in (('failed', FAILED_KEY), ('stopped', STOPPED_KEY), ('waiting', WAITING_KEY), ('fitting', FITTING_KEY))
+                       if _has(store, f'{key}{r}/{n}')), None)
+    return res
+
+def _peers_settle(store, world:int, rank:int, n:int)->bool:
+    "Whether the group can stay: every other process's fit also failed or stopped before a collective; False as soon as one waits in a collective"
+    # a peer in its fit stops at its next batch (`Watch`), fails too, or enters a collective: waited for up to `WAIT_S`; one outside
+    # a fit (it finished, or never started one) only fails within `GRACE_S`, or is taken to wait in a collective
+    start = time.monotonic()
+    while True:
+        st = _resolved(store, world, rank, n)
+        if 'waiting' in st.values(): return False
+        if all(v in ('failed', 'stopped') for v in st.values()): return True
+        t = time.monotonic() - start
+        if t > WAIT_S or (t > GRACE_S and None in st.values()): return False
+        time.sleep(.05)
+
+def _in_collective(frame, communicating:bool)->bool:
+    "Whether a thread whose innermost Python frame is `frame` waits in a collective (or its backward all-reduces, `communicating`)"
+    if frame is None: return False
+    f = frame.f_code.co_filename.replace(os.sep, '/')
+    if '/torch/distributed/' in f or f.endswith('/torch/nn/parallel/distributed.py'): return True # c10d, FSDP, DDP's forward
+    return communicating and '/torch/autograd/' in f # DDP's reducer all-reduces inside the autograd engine: no Python frame of its own
+
+class Watch:
+    "While a multi-process fit runs: notice a peer's failure; the fit stops at its next batch (`check`), or says it waits in a collective"
+    def __init__(self, communicating:callable, # Whether this process's micro-batch communicates now (its backward all-reduces)
+                ):
+        self.world,self.rank,self.n,self.communicating = dist.get_world_size(),dist.get_rank(),_n_failed,communicating
+        self.store = dist.distributed_c10d._get_default_store()
+        self.failed,self.main,self.done = None,threading.get_ident(),threading.Event()
+        with contextlib.suppress(Exception): self.store.set(f'{FITTING_KEY}{self.rank}/{self.n}', '1')
+        threading.Thread(target=self._run, name='fastxtend_accum-failfast', daemon=True).start()
+
+    def _run(self):
+        news = f'{NEWS_KEY}{self.n}'
+        while not self.done.wait(POLL_S):
+            if self.failed is None:
+                try:
+                    if not self.store.check([news]): continue
+                    self.store.set(f'{ALIVE_KEY}{self.rank}/{self.n}', '1') # for a process whose collective failed: not the one killed
+                    self.failed = failed_processes(self.store, self.world, self.rank, self.n) or None
+                except Exception: return
+                if self.failed is None: continue # a lost collective: this process's own fails next
+            if self.failed is not None and _in_collective(sys._current_frames().get(self.main), self.communicating()):
+                with contextlib.suppress(Exception): self.store.set(f'{WAITING_KEY}{self.rank}/{self.n}', '1')
+                return
+
+    def check(self):
+        "At a batch's start: raise `PeerProcessFailed` if a peer's fit failed (no collective entered since: the group stays)"
+        if self.failed is None or self.done.is_set(): return
+        self.close()
+        with contextlib.suppress(Exception): self.store.set(f'{STOPPED_KEY}{self.rank}/{self.n}', '1')
+        e = PeerProcessFailed(linked(f"{_why(self.failed, self.world)}. Process {self.rank} stopped before its next collective, at the "
+                                     "start of a batch; the process group stays usable", 'peer-failed'))
+        e.stopped = True
+        raise e
+
+    def close(self):
+        "The fit ended: stop watching"
+        self.done.set()
+        with contextlib.suppress(Exception): self.store.delete_key(f'{FITTING_KEY}{self.rank}/{self.n}')
+
+_watch = None # the running fit's `Watch`
+
+def watch(communicating:callable, # Whether this process's micro-batch communicates now
+         )->Watch|None:
+    "Start watching the peers for this fit (once per fit; `unwatch` ends it)"
+    global _watch
+    if _watch is None or _watch.done.is_set():
+        try: _watch = Watch(communicating)
+        except Exception: _watch = None # no store to watch (a group made without one): peers are stopped as before, by the failing process
+    return _watch
+
+def unwatch():
+    "The fit ended: stop the `Watch`"
+    global _watch
+    if _watch is not None: _watch.close(); _watch = None
+
+def _why(first:dict, world:int)->str:
+    why = '; '.join(f'process {r} of {world} failed in its fit with {m}' for r,m in sorted(first.items()))
+    return why[0].upper() + why[1:]
 
 LOST_KEY = 'fastxtend_accum/lost/' # + '<rank>/<n>': the collective error of a process that found no peer's report
+ALIVE_KEY = 'fastxtend_accum/alive/' # + '<rank>/<n>': a process in its fit (its `Watch`) that saw the news of a failure
+NEWS_KEY = 'fastxtend_accum/news/' # + '<n>': set with every failure or lost collective, the one key a `Watch` polls
+SILENT_KEY = 'fastxtend_accum/silent/' # + '<n>': the processes found to have reported nothing, by the first process that looked
 REPORT_S = 3. # seconds a process whose collective failed waits for the report of the process that failed first
 
-def _reports(store, world:int, rank:int, n:int, seconds:float)->tuple[dict,set]:
-    "Within `seconds`: the first failures reported by other processes (by rank), and the ranks that reported a lost collective"
-    import time
+def _news(store, n:int):
+    with contextlib.suppress(Exception): store.set(f'{NEWS_KEY}{n}', '1')
+
+def _reports(store, world:int, rank:int, n:int, seconds:float)->tuple[dict,set,list]:
+    "Within `seconds`: the first failures reported by other processes (by rank), the ranks heard from since, and the silent ones found"
     end = time.monotonic() + seconds
     while True:
         first = failed_processes(store, world, rank, n)
-        lost = {r for r in range(world) if r != rank and _has(store, f'{LOST_KEY}{r}/{n}')}
-        if first or time.monotonic() > end or len(lost) == world-1: return first,lost
+        silent = [int(r) for r in store.get(f'{SILENT_KEY}{n}').decode().split(',')] if _has(store, f'{SILENT_KEY}{n}') else []
+        heard = {r for r in range(world) if r != rank and (_has(store, f'{LOST_KEY}{r}/{n}') or _has(store, f'{ALIVE_KEY}{r}/{n}'))}
+        if first or silent or time.monotonic() > end: return first,heard,silent
         time.sleep(0.1)
 
 def _has(store, key:str)->bool:
@@ -88,33 +185,60 @@ def keep_group():
     try: yield
     finally: _kept_groups -= 1
 
+def release_group(group, # A process group `destroy_process_group` has just destroyed
+                  model=None, # The fit's model, whose DDP wrappers still hold `group`
+                 ):
+    "Drop what keeps `group`'s gloo connections open in this process, so that its peers' collectives raise now, not when it exits"
+    # a DDP wrapper's reducer holds the group (the wrapper lives on in `learn.model`, Accelerate's lists, a traceback's frames);
+    # `torch.distributed.nn.functional`, when first imported after the group was made (DDP's constructor imports torch._dynamo,
+    # which imports it), took `group.WORLD` as the default of ten functions: as they would be had it been imported before, None
+    from torch.nn.parallel import DistributedDataParallel
+    for m in ([] if model is None else model.modules()):
+        if isinstance(m, DistributedDataParallel):
+            for a in ('reducer', 'logger', 'process_group'):
+                if a in vars(m): setattr(m, a, None)
+    for name,mod in list(sys.modules.items()):
+        if mod is None or not name.startswith('torch.distributed'): continue
+        for f in list(vars(mod).values()):
+            if inspect.isfunction(f) and f.__defaults__ and any(d is group for d in f.__defaults__):
+                f.__defaults__ = tuple(None if d is group else d for d in f.__defaults__)
+
 def stop_peers(exc:BaseException, # The error the fit raised on this process
+               model=None, # The fit's model (its DDP wrappers let the group go)
               )->PeerProcessFailed|None:
     "In a process group of several processes: tell the others why this fit failed, and stop their collectives; the error to raise instead, if a peer failed first"
     global _n_failed
+    unwatch()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1: return None
     if getattr(exc, 'everywhere', False): return None # raised on every process by construction: none waits for another
     if _kept_groups: return None # the script handles it on every process (`keep_group`)
     world,rank,n = dist.get_world_size(),dist.get_rank(),_n_failed
     _n_failed += 1
+    if getattr(exc, 'stopped', False): return None # stopped before a collective (`Watch.check`): the failing process keeps the group
     try: store = dist.distributed_c10d._get_default_store()
     except Exception: store = None
-    first,lost,silent = {},set(),[]
+    first,silent = {},[]
     if store is not None and _collective_error(exc): # a peer left: the process that failed first says why, if it can
-        first,lost = _reports(store, world, rank, n, REPORT_S)
-        if not first: # none did (killed, or crashed outside Python): the processes that reported nothing are the suspects
+        first,heard,silent = _reports(store, world, rank, n, REPORT_S)
+        if not first and not silent: # none did (killed, or crashed outside Python): the processes not heard from are the suspects
             with contextlib.suppress(Exception): store.set(f'{LOST_KEY}{rank}/{n}', describe(exc))
-            first,lost = _reports(store, world, rank, n, REPORT_S)
-            silent = [r for r in range(world) if r != rank and r not in lost and r not in first]
+            _news(store, n) # the others' `Watch` say they are alive, even while they wait in a collective
+            first,heard,silent = _reports(store, world, rank, n, REPORT_S)
+            if not first and not silent:
+                silent = [r for r in range(world) if r != rank and r not in heard]
+                with contextlib.suppress(Exception): store.set(f'{SILENT_KEY}{n}', ','.join(map(str, silent))) # a later peer names the same
     if not first and not silent and store is not None:
         with contextlib.suppress(Exception): store.set(failed_key(rank, n), describe(exc))
-        if _all_failed(store, world, rank, n): return None # an error every process raised: each raises its own, the group stays
+        _news(store, n)
+        if _peers_settle(store, world, rank, n): return None # no process waits in a collective: each raises its error, the group stays
     _kept.append(store)
+    group = dist.group.WORLD
     with contextlib.suppress(Exception): dist.destroy_process_group() # gloo closes its connections: peers' collectives raise
-    if first: why = '; '.join(f'process {r} of {world} failed in its fit with {m}' for r,m in sorted(first.items()))
-    elif silent: why = (f"no process reported the error that stopped the run: process{'es' if len(silent) > 1 else ''} "
-                        f"{', '.join(map(str, silent))} of {world} reported nothing within {2*REPORT_S:.0f} s (killed, crashed outside "
-                        f"Python, or still waiting in a collective), and this process's collective failed with {describe(exc, 300)}")
+    release_group(group, model)
+    if first: why = _why(first, world)
+    elif silent: why = (f"No process reported the error that stopped the run: process{'es' if len(silent) > 1 else ''} "
+                        f"{', '.join(map(str, silent))} of {world} reported nothing within {2*REPORT_S:.0f} s (killed, or crashed outside "
+                        f"Python), and this process's collective failed with {describe(exc, 300)}")
     else: return None
-    return PeerProcessFailed(linked(f"{why[0].upper()}{why[1:]}. Process {rank} stopped at its next collective (its error is chained "
+    return PeerProcessFailed(linked(f"{why}. Process {rank} stopped at its next collective (its error is chained "
                              "below); the process group is destroyed", 'peer-failed'))

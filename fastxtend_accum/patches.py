@@ -13,7 +13,8 @@ from fastai.data.load import DataLoader as FastaiDataLoader, SkipItemException
 from fasttransform import Pipeline
 from fastcore.basics import GetAttr
 from fastcore.xtras import modify_exception
-from .failfast import stop_peers
+from . import failfast
+from .failfast import stop_peers, unwatch
 from .messages import linked
 from .transfer import to_device_non_blocking
 
@@ -190,6 +191,7 @@ def give_back(learn:Learner, # A Learner whose fit ended
             if exc is not None or vars(owner).get('accumulating') or vars(owner).get('taking_batches'):
                 with contextlib.suppress(Exception): getattr(owner, 'end_fit', noop)() # never hide the error that stopped the fit
     finally:
+        unwatch()
         fit.unset_all()
         _plans.pop(learn, None)
         del vars(learn)['_fxa_fit']
@@ -216,7 +218,9 @@ def _raised(learn:Learner, e:BaseException):
     "A fit that raised `e`: everything given back, the other processes stopped and told why (`failfast`); raise"
     __tracebackhide__ = True
     give_back(learn, e)
-    peer = stop_peers(e)
+    peer = stop_peers(e, learn.model)
+    if isinstance(learn.model, nn.parallel.DistributedDataParallel) and not torch.distributed.is_initialized():
+        learn.model = learn.model.module # the group is gone with its DDP wrapper: the plain model, as fastai's `after_fit` gives it back
     if peer is not None: raise peer from e
     raise e
 
@@ -229,6 +233,7 @@ class FitTakeover:
     def one_batch(self, i, b):
         "fastai's `one_batch`; for a training batch, inside the owner's `micro_batch` and with its `train_batch`"
         __tracebackhide__ = True
+        if failfast._watch is not None: failfast._watch.check() # a peer's fit failed: stop here, before a collective
         acc = _batch_owner(self)
         if acc is None: return super().one_batch(i, b)
         self.iter = i

@@ -10,6 +10,7 @@ from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader
 from .window import *
 from .distributed import split_loader, samples_per_process, window_sync
+from .failfast import watch
 from .messages import linked
 from .export import LeftOutOfExport
 
@@ -176,6 +177,7 @@ class BatchSplitter(LeftOutOfExport, Callback):
         new = r.sync.model is not self.learn.model
         if new: r.sync = window_sync(self.learn.model, self.grad_sync)
         r.fgrads.check(r.sync)
+        if r.sync.world_size > 1: watch(lambda s=r.sync: s.communicating) # a peer's failure: stop at the next batch
         return new
 
     def _backward(self):

@@ -4,10 +4,12 @@
 Every process trains a float64 MLP on digits with `GradientAccumulation(64, global_bs=True)` under `distrib_ctx`; at its 6th
 micro-batch, process FAIL_RANK raises `ValueError`. CASE `caught`: its script catches the error and goes on to
 `dist.barrier()`, as a script that logs the error and waits for the others does; `lives`: it catches the error and goes on
-for LIVE_S seconds, holding its Learner and its DDP model (a notebook kernel); `killed`: it is killed (SIGKILL) instead; `uncaught`: the error ends it. Each process
+for LIVE_S seconds, holding its Learner and its DDP model (a notebook kernel); `killed`: it is killed (SIGKILL) instead;
+`interrupt`: nothing raises, the fit runs on until the test sends Ctrl-C; `uncaught`: the error ends it. Each process
 writes `OUT/rank<r>.json` the moment its fit ends: when (`time.time()`), with what error, and what the barrier did after.
 FAIL_RANK -1: every process raises (an error all of them meet): each keeps its own, and the process group stays, so the
-script's barrier passes; then a second fit fails on process 1 only, as in `caught`."""
+script's barrier passes; then a second fit fails on process 1 only, as in `caught`. CASE `apart`: the same, process 0 raising
+APART_S seconds after process 1 (it sleeps first: a slower process, busy outside any collective)."""
 import json, os, signal, sys, time
 import torch, torch.nn as nn, torch.distributed as dist
 from datetime import timedelta
@@ -18,46 +20,50 @@ sys.path.insert(0, HERE)
 import ddp_worker as W
 
 LIVE_S = 45 # `lives`: how long the failing process goes on after its fit raised (peers must not wait for it)
+APART_S = 15 # `apart`: how long after process 1 process 0 raises the error every process raises
 
 class Fail(Callback):
     "Raise on process `rank` at micro-batch `at` of the first epoch, and note the time"
-    def __init__(self, rank, at, out): self.rank,self.at,self.out = rank,at,out
+    def __init__(self, rank, at, out, delay0=0): self.rank,self.at,self.out,self.delay0 = rank,at,out,delay0
     def before_batch(self):
         if self.training and self.iter == self.at and self.rank in (-1, dist.get_rank()):
-            with open(self.out + 'failed_at', 'w') as f: f.write(repr(time.time()))
+            if dist.get_rank() == 0 and self.delay0: time.sleep(self.delay0)
+            elif self.rank != -1 or dist.get_rank() == 1 or not self.delay0:
+                with open(self.out + 'failed_at', 'w') as f: f.write(repr(time.time()))
             if KILLED: os.kill(os.getpid(), signal.SIGKILL) # `killed`: gone without a word (kill -9, the OOM killer)
+            if INTERRUPT: return # `interrupt`: the test sends Ctrl-C (SIGINT to torchrun's process group) from here on
             raise ValueError(f'a bad batch at micro-batch {self.at} on process {dist.get_rank() if self.rank == -1 else self.rank}')
 
 def write(out, rank, **res):
     with open(f'{out}rank{rank}.json', 'w') as f: json.dump(res, f)
 
-KILLED = False
+KILLED = INTERRUPT = False
 
 def main(out, case, fail_rank):
-    global KILLED
-    KILLED = case == 'killed'
+    global KILLED, INTERRUPT
+    KILLED,INTERRUPT = case == 'killed',case == 'interrupt'
     torch.set_num_threads(1)
     W.fastai_distributed()
     dist.init_process_group('gloo', timeout=timedelta(seconds=W.PG_TIMEOUT))
     import fastxtend_accum.all # noqa: F401 (the library's `Learner.fit`)
-    if fail_rank == -1:
-        fit_and_wait(out, 'all', -1, prefix='all-')
-        fail_rank = 1
+    if fail_rank == -1 or case == 'apart':
+        fit_and_wait(out, 'all', -1, prefix='all-', delay0=APART_S if case == 'apart' else 0)
+        fail_rank,case = 1,'caught' if case == 'apart' else case
     fit_and_wait(out, case, fail_rank)
 
-def fit_and_wait(out, case, fail_rank, prefix=''):
+def fit_and_wait(out, case, fail_rank, prefix='', delay0=0):
     rank = dist.get_rank()
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
     from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss
     learn = Learner(digits_default_dls(16), digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD,
-                    cbs=[Float64SmoothLoss(), GradientAccumulation(64, global_bs=True), Fail(fail_rank, 5, os.path.join(out, prefix))])
+                    cbs=[Float64SmoothLoss(), GradientAccumulation(64, global_bs=True), Fail(fail_rank, 5, os.path.join(out, prefix), delay0)])
     try:
-        with learn.distrib_ctx(cpu=True), learn.no_logging(), learn.no_bar(): learn.fit(2, 0.1)
+        with learn.distrib_ctx(cpu=True), learn.no_logging(), learn.no_bar(): learn.fit(200 if INTERRUPT else 2, 0.1)
         write(out + '/' + prefix, rank, t=time.time(), error=None)
     except BaseException as e:
         write(out + '/' + prefix, rank, t=time.time(), error=type(e).__name__, message=str(e),
               cause=None if e.__cause__ is None else f'{type(e.__cause__).__name__}: {e.__cause__}')
-        if fail_rank not in (-1, rank) or case == 'uncaught': raise
+        if fail_rank not in (-1, rank) or case in ('uncaught', 'interrupt'): raise
     if case == 'lives': # a notebook kernel, a script that logs the error and goes on: the process lives, its model too
         time.sleep(LIVE_S); return
     # the failing process's script caught its error, and waits for the others

@@ -2,7 +2,7 @@
 with `PeerProcessFailed`, which names the process that failed and its error, whether or not the failing process's script
 catches it; before, a caught error left them in a collective until the process-group timeout. The worker is
 `failfast_worker.py`."""
-import json, os, subprocess, sys, time
+import json, os, signal, subprocess, sys, time
 import pytest
 pytestmark = [pytest.mark.multiprocess]
 from test_distributed import free_port, ENV, HERE
@@ -27,8 +27,18 @@ def launch(tmp_path, case, fail_rank, n):
     res = {r: json.loads((tmp_path/f'rank{r}.json').read_text()) for r in range(n)} # `lives`: the failing one's, written at once
     return res,failed_at,wall,p
 
+def stopped(o, fail_rank, n, r):
+    "Process `r`'s error names the process that failed, and says where it stopped: before a collective (the group stays) or in one"
+    assert o['error'] == 'PeerProcessFailed', o
+    assert o['message'].startswith(f'Process {fail_rank} of {n} failed in its fit with ValueError: ')
+    assert f'a bad batch at micro-batch 5 on process {fail_rank}' in o['message']
+    if f'Process {r} stopped before its next collective' in o['message']: # at a batch's start: no collective waits on the failing one
+        assert 'the process group stays usable' in o['message'] and o['cause'] is None
+    else: # waiting in one: the failing process destroyed the group, and the collective's own error is chained
+        assert f'Process {r} stopped at its next collective' in o['message'] and o['cause'].startswith('RuntimeError: '), o
+
 @pytest.mark.parametrize('case,fail_rank,n', [('caught', 1, 2), ('uncaught', 1, 2), ('caught', 0, 2), ('caught', 2, 3),
-                                              ('caught', -1, 2)])
+                                              ('caught', -1, 2), ('apart', -1, 2), ('lives', 1, 2)])
 def test_peers_stop_within_seconds_and_say_why(tmp_path, case, fail_rank, n):
     res,failed_at,wall,p = launch(tmp_path, case, fail_rank, n)
     if fail_rank == -1: # first, a fit whose error every process raises: each its own, and the group stays for the barrier
@@ -36,38 +46,72 @@ def test_peers_stop_within_seconds_and_say_why(tmp_path, case, fail_rank, n):
             o = json.loads((tmp_path/f'all-rank{r}.json').read_text())
             assert o['error'] == 'ValueError' and f'a bad batch at micro-batch 5 on process {r}' in o['message'], o
             assert o['barrier'] is None and o['barrier_s'] < 30, o
+        if case == 'apart': # process 0 raised 15 s after process 1: process 1 waited for it (it was in its fit, in no collective)
+            t,t1 = {r: json.loads((tmp_path/f'all-rank{r}.json').read_text())['t'] for r in range(n)},float((tmp_path/'all-failed_at').read_text())
+            print(f'apart: process 1 raised; the fits ended {t[1]-t1:.1f} s (process 1) and {t[0]-t1:.1f} s (process 0) later, each with its error, the group kept')
+            assert t[1] - t1 > 12 and t[0] - t1 > 12 # process 1 waited for process 0's error (15 s), more than `GRACE_S`
         fail_rank = 1 # then a fit that fails on process 1 alone
     mine = res[fail_rank]
     assert mine['error'] == 'ValueError' and f'a bad batch at micro-batch 5 on process {fail_rank}' in mine['message']
-    if case == 'caught': # its script goes on to a collective: it raises at once (the group is gone), it does not wait
-        assert mine['barrier'].startswith('ValueError: Default process group has not been initialized') and mine['barrier_s'] < 1
+    if case in ('caught', 'apart'): # its script goes on to a collective: it raises (the group is gone, or its peer left), it does not wait
+        assert mine['barrier'] is not None and mine['barrier_s'] < STOP_WITHIN, mine
     for r in range(n):
         if r == fail_rank: continue
         o = res[r]
-        print(f'{case}, process {fail_rank} of {n} failed: process {r} stopped {o["t"]-failed_at:.2f} s later with {o["error"]}')
-        assert o['error'] == 'PeerProcessFailed'
-        assert o['message'].startswith(f'Process {fail_rank} of {n} failed in its fit with ValueError: ')
-        assert f'a bad batch at micro-batch 5 on process {fail_rank}' in o['message']
-        assert f'Process {r} stopped at its next collective' in o['message']
-        assert o['cause'].startswith('RuntimeError: ') # the collective's own error, chained
-        assert 0 < o['t'] - failed_at < STOP_WITHIN
+        print(f'{case}, process {fail_rank} of {n} failed: process {r} stopped {o["t"]-failed_at:.2f} s later with {o["error"]}: {o["message"][-120:]!r}')
+        stopped(o, fail_rank, n, r)
+        assert 0 < o['t'] - failed_at < STOP_WITHIN # `lives`: the failing process lives on LIVE_S (45 s) more: not waited for
     print(f'launch: {wall:.1f} s')
     assert wall < PG_TIMEOUT
 
-
-@pytest.mark.parametrize('n,killed', [(2, 1)])
-def test_a_killed_process_is_named(tmp_path, n, killed):
-    """Process `killed` is killed (SIGKILL) mid-fit: it reports nothing, and each other process names it, not a peer whose
-    collective failed after it (before: the survivor raised gloo's 'Connection closed by peer' and named no process)"""
+def launch_killed(tmp_path, n, killed):
+    "Process `killed` of `n` is killed (SIGKILL) at its 6th micro-batch: the others' records, when it was killed, the launch's seconds"
     # torchrun ends the others when one dies: checked every 60 s here, so that the survivors say what they saw first
     cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--monitor-interval=60', '--master_addr=127.0.0.1',
            f'--master_port={free_port()}', WORKER, str(tmp_path), 'killed', str(killed)]
+    t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT=str(PG_TIMEOUT)),
                        cwd=os.path.dirname(HERE))
-    failed_at = float((tmp_path/'failed_at').read_text())
-    for r in range(n):
-        if r == killed: continue
-        o = json.loads((tmp_path/f'rank{r}.json').read_text())
+    res = {r: json.loads((tmp_path/f'rank{r}.json').read_text()) for r in range(n) if r != killed}
+    return res,float((tmp_path/'failed_at').read_text()),time.time()-t0,p
+
+@pytest.mark.parametrize('n,killed', [(2, 1), (4, 2)])
+def test_a_killed_process_is_named(tmp_path, n, killed):
+    """Process `killed` is killed (SIGKILL) mid-fit: it reports nothing, and each other process names it, not a peer whose
+    collective failed after it (before: the survivor raised gloo's 'Connection closed by peer' and named no process; on 4
+    processes, processes 0 and 1 named process 3)"""
+    res,failed_at,wall,p = launch_killed(tmp_path, n, killed)
+    for r,o in res.items():
         print(f'process {killed} of {n} killed: process {r} stopped {o["t"]-failed_at:.2f} s later with {o["error"]}: {o["message"][:300]}')
         assert o['error'] == 'PeerProcessFailed' and f'process {killed} of {n} reported nothing' in o['message'], o
+        others = [str(q) for q in range(n) if q != killed]
+        assert not any(f'process {q} of {n} failed' in o['message'] or f'processes {q}' in o['message'] for q in others), o
         assert 0 < o['t'] - failed_at < STOP_WITHIN
+
+def interrupt(tmp_path, n=2):
+    "Ctrl-C on a torchrun launch mid-fit (SIGINT to its process group, as a terminal sends it): seconds until torchrun ended, and the records"
+    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--master_addr=127.0.0.1',
+           f'--master_port={free_port()}', WORKER, str(tmp_path), 'interrupt', '0']
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         env=dict(ENV, FXA_PG_TIMEOUT=str(PG_TIMEOUT)), cwd=os.path.dirname(HERE))
+    try:
+        end = time.time() + LAUNCH_TIMEOUT
+        while not (tmp_path/'failed_at').exists(): # process 0 reached its 6th micro-batch: training
+            assert p.poll() is None and time.time() < end, p.stdout.read() if p.poll() is not None else 'no start'
+            time.sleep(.2)
+        time.sleep(1.)
+        t0 = time.time()
+        os.killpg(p.pid, signal.SIGINT)
+        p.wait(timeout=120)
+        took = time.time() - t0
+    finally:
+        if p.poll() is None: os.killpg(p.pid, signal.SIGKILL)
+    res = {r: json.loads((tmp_path/f'rank{r}.json').read_text()) for r in range(n) if (tmp_path/f'rank{r}.json').exists()}
+    return took,res,t0
+
+def test_ctrl_c_stops_every_process_at_once(tmp_path):
+    """Ctrl-C on torchrun: every process stops within a few seconds, none waits in a collective for one that was interrupted
+    (before: 21 s, one process sat in DDP's all-reduce until the failing one's 10 s wait ended)"""
+    took,res,t0 = interrupt(tmp_path)
+    print(f'Ctrl-C: torchrun ended {took:.1f} s later; ' + '; '.join(f'process {r}: {o["error"]} after {o["t"]-t0:.1f} s' for r,o in res.items()))
+    assert took < 8
