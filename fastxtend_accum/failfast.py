@@ -95,7 +95,7 @@ def _in_collective(frame, communicating:bool)->bool:
 
 class Watch:
     "While a multi-process fit runs: notice a peer's failure; the fit stops at its next batch (`check`), or says it waits in a collective"
-    def __init__(self, communicating:callable, # Whether this process's micro-batch communicates now (its backward all-reduces)
+    def __init__(self, communicating:callable, # Whether this process's micro-batch communicates now
                 ):
         self.world,self.rank,self.n,self.communicating = dist.get_world_size(),dist.get_rank(),_n_failed,communicating
         self.store = dist.distributed_c10d._get_default_store()
@@ -185,8 +185,8 @@ def keep_group():
     try: yield
     finally: _kept_groups -= 1
 
-def release_group(group, # A process group `destroy_process_group` has just destroyed
-                  model=None, # The fit's model, whose DDP wrappers still hold `group`
+def release_group(group, # A process group that destroy_process_group has just destroyed
+                  model=None, # The fit's model, whose DDP wrappers still hold the group
                  ):
     "Drop what keeps `group`'s gloo connections open in this process, so that its peers' collectives raise now, not when it exits"
     # a DDP wrapper's reducer holds the group (the wrapper lives on in `learn.model`, Accelerate's lists, a traceback's frames);

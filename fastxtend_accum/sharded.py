@@ -464,6 +464,14 @@ def clip_step(cb, # fastai's GradientClip
     _clip(model, found['layout'], cb.max_norm, cb.norm_type)
 
 # %% ../nbs/sharded.ipynb #32aa9360
+def _check_group(what:str):
+    "Raise if the process group a sharded model needs to `what` its weights is gone (a fit that failed on a process destroyed it)"
+    if dist.is_initialized(): return
+    raise RuntimeError(linked(f"Cannot {what} learn.model: it is sharded over the processes of the run, and its process group is gone "
+        "(destroyed when a fit failed on one process: a PeerProcessFailed said which), so its weights cannot be gathered from the "
+        "other processes. Start again from the last checkpoint (ResumeCheckpoint, SaveModelCallback); after an error that every "
+        "process raises the group stays, and every process's learn.save gathers the whole model", 'peer-failed'))
+
 class ShardedFit:
     "The Learner methods a fit takes over where its model is sharded (a part of the fit class, see `patches`)"
     @takes_over('Learner.save', "a sharded model's state gathered whole from every process and written as a plain model's, "
@@ -471,6 +479,7 @@ class ShardedFit:
     def save(self, file, **kwargs):
         "fastai's `Learner.save`; a sharded model's state is gathered from every process (they all call it), written by one per file"
         if not is_sharded(self.model): return super().save(file, **kwargs)
+        _check_group('save')
         with_opt,protocol = kwargs.pop('with_opt', True),kwargs.pop('pickle_protocol', 2)
         file = join_path_file(file, self.path/self.model_dir, ext='.pth')
         paths = [None]*dist.get_world_size()
@@ -489,6 +498,7 @@ class ShardedFit:
     def load(self, file, device=None, **kwargs):
         "fastai's `Learner.load`; into a sharded model, every process reads the plain model's state and keeps its own shards"
         if not is_sharded(self.model): return super().load(file, device=device, **kwargs)
+        _check_group('load')
         if self.opt is None: self.create_opt()
         file = join_path_file(file, self.path/self.model_dir, ext='.pth')
         distrib_barrier()

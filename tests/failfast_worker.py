@@ -5,7 +5,8 @@ Every process trains a float64 MLP on digits with `GradientAccumulation(64, glob
 micro-batch, process FAIL_RANK raises `ValueError`. CASE `caught`: its script catches the error and goes on to
 `dist.barrier()`, as a script that logs the error and waits for the others does; `lives`: it catches the error and goes on
 for LIVE_S seconds, holding its Learner and its DDP model (a notebook kernel); `killed`: it is killed (SIGKILL) instead;
-`interrupt`: nothing raises, the fit runs on until the test sends Ctrl-C; `uncaught`: the error ends it. Each process
+`interrupt`: nothing raises, the fit runs on until the test sends Ctrl-C (process 1 slower: process 0 waits in DDP's all-reduce);
+`sharded`: as FAIL_RANK -1, under `sharded_ctx` (FSDP2), every process saving the model each failed fit left; `uncaught`: the error ends it. Each process
 writes `OUT/rank<r>.json` the moment its fit ends: when (`time.time()`), with what error, and what the barrier did after.
 FAIL_RANK -1: every process raises (an error all of them meet): each keeps its own, and the process group stays, so the
 script's barrier passes; then a second fit fails on process 1 only, as in `caught`. CASE `apart`: the same, process 0 raising
@@ -26,6 +27,8 @@ class Fail(Callback):
     "Raise on process `rank` at micro-batch `at` of the first epoch, and note the time"
     def __init__(self, rank, at, out, delay0=0): self.rank,self.at,self.out,self.delay0 = rank,at,out,delay0
     def before_batch(self):
+        # `interrupt`: process 1 is the slower one, so that process 0 waits in DDP's all-reduce (C++) when Ctrl-C comes
+        if INTERRUPT and self.training and dist.get_rank() == 1: time.sleep(.3)
         if self.training and self.iter == self.at and self.rank in (-1, dist.get_rank()):
             if dist.get_rank() == 0 and self.delay0: time.sleep(self.delay0)
             elif self.rank != -1 or dist.get_rank() == 1 or not self.delay0:
@@ -46,8 +49,8 @@ def main(out, case, fail_rank):
     W.fastai_distributed()
     dist.init_process_group('gloo', timeout=timedelta(seconds=W.PG_TIMEOUT))
     import fastxtend_accum.all # noqa: F401 (the library's `Learner.fit`)
-    if fail_rank == -1 or case == 'apart':
-        fit_and_wait(out, 'all', -1, prefix='all-', delay0=APART_S if case == 'apart' else 0)
+    if fail_rank == -1 or case in ('apart', 'sharded'):
+        fit_and_wait(out, 'sharded' if case == 'sharded' else 'all', -1, prefix='all-', delay0=APART_S if case == 'apart' else 0)
         fail_rank,case = 1,'caught' if case == 'apart' else case
     fit_and_wait(out, case, fail_rank)
 
@@ -55,14 +58,22 @@ def fit_and_wait(out, case, fail_rank, prefix='', delay0=0):
     rank = dist.get_rank()
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
     from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss
-    learn = Learner(digits_default_dls(16), digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD,
+    learn = Learner(digits_default_dls(16), digits_mlp(), path=out, loss_func=nn.CrossEntropyLoss(), opt_func=SGD,
                     cbs=[Float64SmoothLoss(), GradientAccumulation(64, global_bs=True), Fail(fail_rank, 5, os.path.join(out, prefix), delay0)])
     try:
-        with learn.distrib_ctx(cpu=True), learn.no_logging(), learn.no_bar(): learn.fit(200 if INTERRUPT else 2, 0.1)
+        ctx = learn.sharded_ctx() if case == 'sharded' else learn.distrib_ctx(cpu=True)
+        with ctx, learn.no_logging(), learn.no_bar(): learn.fit(200 if INTERRUPT else 2, 0.1)
         write(out + '/' + prefix, rank, t=time.time(), error=None)
     except BaseException as e:
-        write(out + '/' + prefix, rank, t=time.time(), error=type(e).__name__, message=str(e),
-              cause=None if e.__cause__ is None else f'{type(e.__cause__).__name__}: {e.__cause__}')
+        res = dict(t=time.time(), error=type(e).__name__, message=str(e), cause=None if e.__cause__ is None else f'{type(e.__cause__).__name__}: {e.__cause__}')
+        if case == 'sharded': # the model the failed fit left, saved by every process: gathered whole, or refused with a reason
+            res['model'] = type(learn.model).__name__
+            try:
+                f = learn.save(f'{prefix}model', with_opt=False)
+                dist.barrier() # written by process 0
+                res['save'],res['keys'] = None,sorted(torch.load(f, map_location='cpu'))
+            except Exception as e2: res['save'] = f'{type(e2).__name__}: {e2}'
+        write(out + '/' + prefix, rank, **res)
         if fail_rank not in (-1, rank) or case in ('uncaught', 'interrupt'): raise
     if case == 'lives': # a notebook kernel, a script that logs the error and goes on: the process lives, its model too
         time.sleep(LIVE_S); return

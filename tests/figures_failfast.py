@@ -1,6 +1,6 @@
 """Issue 37's fail-fast cases, measured: for each, the seconds from the failure until every other process stopped, and what
 each printed. `PYTHONPATH=. .venv/bin/python tests/figures_failfast.py [CASE ...]` (cases: lives, caught, killed4, ctrl-c,
-apart); with `PYTHONPATH=<an older checkout>` it measures that checkout's library with these workers."""
+apart, sharded); with `PYTHONPATH=<an older checkout>` it measures that checkout's library with these workers."""
 import json, os, sys, tempfile, time
 from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,6 +23,14 @@ def run(case):
             took,res,t0 = T.interrupt(d)
             print(f'== Ctrl-C on torchrun (2 processes): torchrun ended {took:.1f} s later')
             for r,o in sorted(res.items()): print(f'  process {r}: {o["error"]} {o["t"]-t0:.1f} s after Ctrl-C: {(o.get("message") or "")[:200]!r}')
+        elif case == 'sharded':
+            try: res = T.launch(d, 'sharded', 1, 2)[0]
+            except Exception as e: res = {}; print(f'  (the launch: {type(e).__name__}: {str(e)[:200]})')
+            print('== FSDP2 (sharded_ctx): learn.save on every process after a failed fit')
+            for r in range(2):
+                o = json.loads((d/f'all-rank{r}.json').read_text())
+                print(f'  every process raised: process {r}: save {"gathered the whole model" if o.get("save", "") is None else repr(o.get("save", "")[:160])}')
+            for r,o in sorted(res.items()): print(f'  process 1 raised: process {r} ({o["error"]}): save {o.get("save", "")[:200]!r}')
         elif case == 'apart':
             try: T.launch(d, 'apart', 1, 2)
             except Exception as e: print(f'  (the second fit: {type(e).__name__})')
@@ -34,6 +42,6 @@ def run(case):
                       f'the barrier after: {"passed" if o.get("barrier", "") is None else o.get("barrier")!r}')
 
 if __name__ == '__main__':
-    for c in sys.argv[1:] or ['lives', 'caught', 'killed4', 'ctrl-c', 'apart']:
+    for c in sys.argv[1:] or ['lives', 'caught', 'killed4', 'ctrl-c', 'apart', 'sharded']:
         try: run(c)
         except Exception as e: print(f'== {c}: {type(e).__name__}: {str(e)[:500]}')

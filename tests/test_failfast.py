@@ -115,3 +115,19 @@ def test_ctrl_c_stops_every_process_at_once(tmp_path):
     took,res,t0 = interrupt(tmp_path)
     print(f'Ctrl-C: torchrun ended {took:.1f} s later; ' + '; '.join(f'process {r}: {o["error"]} after {o["t"]-t0:.1f} s' for r,o in res.items()))
     assert took < 8
+
+def test_a_sharded_model_after_a_failed_fit(tmp_path):
+    """FSDP2 (`sharded_ctx`): after an error every process raised, the group stays and every process's `learn.save` gathers
+    the whole plain model; after one process's error destroyed the group, `learn.save` says why it cannot (before: torch's
+    'Default process group has not been initialized')"""
+    res,failed_at,wall,p = launch(tmp_path, 'sharded', 1, 2)
+    from fastxtend_accum.test_utils import digits_mlp
+    keys = sorted(digits_mlp().state_dict())
+    for r in range(2):
+        o = json.loads((tmp_path/f'all-rank{r}.json').read_text())
+        print(f'every process failed: process {r}: {o["error"]}, save: {o["save"] or "the whole model, " + str(len(o["keys"])) + " tensors"}')
+        assert o['error'] == 'ValueError' and o['save'] is None and o['keys'] == keys, o
+        o = res[r]
+        print(f'process 1 failed: process {r}: {o["error"]}, save: {o["save"][:200]}')
+        assert o['error'] == ('ValueError' if r == 1 else 'PeerProcessFailed'), o
+        assert o['save'].startswith('RuntimeError: Cannot save learn.model: it is sharded over the processes'), o
