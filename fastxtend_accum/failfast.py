@@ -4,7 +4,7 @@
 
 # %% ../nbs/failfast.ipynb #d4cd7540
 from __future__ import annotations
-import contextlib, inspect, os, sys, threading, time
+import contextlib, os, sys, threading, time, types, warnings
 import torch.distributed as dist
 from .messages import linked
 
@@ -185,23 +185,38 @@ def keep_group():
     try: yield
     finally: _kept_groups -= 1
 
-def release_group(group, # A process group that destroy_process_group has just destroyed
-                  model=None, # The fit's model, whose DDP wrappers still hold the group
+def release_group(groups:list, # The process groups that destroy_process_group has just destroyed
+                  model=None, # The fit's model, whose DDP wrappers still hold them
                  ):
-    "Drop what keeps `group`'s gloo connections open in this process, so that its peers' collectives raise now, not when it exits"
-    # a DDP wrapper's reducer holds the group (the wrapper lives on in `learn.model`, Accelerate's lists, a traceback's frames);
-    # `torch.distributed.nn.functional`, when first imported after the group was made (DDP's constructor imports torch._dynamo,
-    # which imports it), took `group.WORLD` as the default of ten functions: as they would be had it been imported before, None
+    "Drop what keeps `groups`' gloo connections open in this process, so that its peers' collectives raise now, not when it exits"
+    dead = {id(g) for g in groups}
+    # a DDP wrapper's reducer (C++) holds its group; the wrapper lives on in `learn.model`, Accelerate's lists, a traceback's frames
     from torch.nn.parallel import DistributedDataParallel
     for m in ([] if model is None else model.modules()):
         if isinstance(m, DistributedDataParallel):
             for a in ('reducer', 'logger', 'process_group'):
                 if a in vars(m): setattr(m, a, None)
-    for name,mod in list(sys.modules.items()):
-        if mod is None or not name.startswith('torch.distributed'): continue
-        for f in list(vars(mod).values()):
-            if inspect.isfunction(f) and f.__defaults__ and any(d is group for d in f.__defaults__):
-                f.__defaults__ = tuple(None if d is group else d for d in f.__defaults__)
+    # torch.distributed's own objects: FSDP's mesh infos and FSDP1's wrappers hold groups in attributes, a DeviceMesh in its
+    # `_pg_registry`; and `torch.distributed.nn.functional`, first imported after the group was made (DDP's constructor imports
+    # torch._dynamo, which imports it), took `group.WORLD` as the default of ten functions (as imported before it: None)
+    import gc
+    with warnings.catch_warnings(): # deprecated objects of torch.distributed warn when looked at
+        warnings.simplefilter('ignore')
+        for o in gc.get_objects(): _let_go(o, dead)
+
+def _let_go(o, dead:set):
+    "`o` without the destroyed groups (ids in `dead`): a torch.distributed function's defaults, object's attributes, registry's entries"
+    if type(o) is types.FunctionType:
+        if o.__defaults__ and str(o.__module__).startswith('torch.distributed') and any(id(d) in dead for d in o.__defaults__):
+            o.__defaults__ = tuple(None if id(d) in dead else d for d in o.__defaults__)
+        return
+    if not str(type(o).__dict__.get('__module__', '')).startswith('torch.distributed'): return
+    try: attrs = vars(o)
+    except TypeError: return
+    for k,v in list(attrs.items()):
+        if id(v) in dead: attrs[k] = None
+        elif type(v) is dict:
+            for key in [key for key,x in v.items() if id(x) in dead]: del v[key]
 
 def stop_peers(exc:BaseException, # The error the fit raised on this process
                model=None, # The fit's model (its DDP wrappers let the group go)
@@ -232,9 +247,9 @@ def stop_peers(exc:BaseException, # The error the fit raised on this process
         _news(store, n)
         if _peers_settle(store, world, rank, n): return None # no process waits in a collective: each raises its error, the group stays
     _kept.append(store)
-    group = dist.group.WORLD
+    groups = list(dist.distributed_c10d._world.pg_map) # the default group and those made since (a DeviceMesh's, FSDP's)
     with contextlib.suppress(Exception): dist.destroy_process_group() # gloo closes its connections: peers' collectives raise
-    release_group(group, model)
+    with contextlib.suppress(Exception): release_group(groups, model) # never in the way of the error that stopped the fit
     if first: why = _why(first, world)
     elif silent: why = (f"No process reported the error that stopped the run: process{'es' if len(silent) > 1 else ''} "
                         f"{', '.join(map(str, silent))} of {world} reported nothing within {2*REPORT_S:.0f} s (killed, or crashed outside "

@@ -6,7 +6,8 @@ micro-batch, process FAIL_RANK raises `ValueError`. CASE `caught`: its script ca
 `dist.barrier()`, as a script that logs the error and waits for the others does; `lives`: it catches the error and goes on
 for LIVE_S seconds, holding its Learner and its DDP model (a notebook kernel); `killed`: it is killed (SIGKILL) instead;
 `interrupt`: nothing raises, the fit runs on until the test sends Ctrl-C (process 1 slower: process 0 waits in DDP's all-reduce);
-`sharded`: as FAIL_RANK -1, under `sharded_ctx` (FSDP2), every process saving the model each failed fit left; `uncaught`: the error ends it. Each process
+`sharded`: as FAIL_RANK -1, under `sharded_ctx` (FSDP2), every process saving the model each failed fit left;
+`sharded-lives`: `lives` under `sharded_ctx` (FSDP2); `uncaught`: the error ends it. Each process
 writes `OUT/rank<r>.json` the moment its fit ends: when (`time.time()`), with what error, and what the barrier did after.
 FAIL_RANK -1: every process raises (an error all of them meet): each keeps its own, and the process group stays, so the
 script's barrier passes; then a second fit fails on process 1 only, as in `caught`. CASE `apart`: the same, process 0 raising
@@ -61,7 +62,7 @@ def fit_and_wait(out, case, fail_rank, prefix='', delay0=0):
     learn = Learner(digits_default_dls(16), digits_mlp(), path=out, loss_func=nn.CrossEntropyLoss(), opt_func=SGD,
                     cbs=[Float64SmoothLoss(), GradientAccumulation(64, global_bs=True), Fail(fail_rank, 5, os.path.join(out, prefix), delay0)])
     try:
-        ctx = learn.sharded_ctx() if case == 'sharded' else learn.distrib_ctx(cpu=True)
+        ctx = learn.sharded_ctx() if case in ('sharded', 'sharded-lives') else learn.distrib_ctx(cpu=True)
         with ctx, learn.no_logging(), learn.no_bar(): learn.fit(200 if INTERRUPT else 2, 0.1)
         write(out + '/' + prefix, rank, t=time.time(), error=None)
     except BaseException as e:
@@ -75,7 +76,7 @@ def fit_and_wait(out, case, fail_rank, prefix='', delay0=0):
             except Exception as e2: res['save'] = f'{type(e2).__name__}: {e2}'
         write(out + '/' + prefix, rank, **res)
         if fail_rank not in (-1, rank) or case in ('uncaught', 'interrupt'): raise
-    if case == 'lives': # a notebook kernel, a script that logs the error and goes on: the process lives, its model too
+    if case in ('lives', 'sharded-lives'): # a notebook kernel, a script that logs the error and goes on: the process lives, its model too
         time.sleep(LIVE_S); return
     # the failing process's script caught its error, and waits for the others
     t0 = time.time()

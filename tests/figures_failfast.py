@@ -1,6 +1,6 @@
 """Issue 37's fail-fast cases, measured: for each, the seconds from the failure until every other process stopped, and what
-each printed. `PYTHONPATH=. .venv/bin/python tests/figures_failfast.py [CASE ...]` (cases: lives, caught, killed4, ctrl-c,
-apart, sharded); with `PYTHONPATH=<an older checkout>` it measures that checkout's library with these workers."""
+each printed. `PYTHONPATH=. .venv/bin/python tests/figures_failfast.py [CASE ...]` (cases: lives, sharded-lives, caught, killed4,
+ctrl-c, apart, sharded); with `PYTHONPATH=<an older checkout>` it measures that checkout's library with these workers."""
 import json, os, sys, tempfile, time
 from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -17,6 +17,7 @@ def run(case):
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
         if case == 'lives': show('process 1 of 2 catches its error and lives on 45 s', *T.launch(d, 'lives', 1, 2), 1)
+        elif case == 'sharded-lives': show('FSDP2: process 1 of 2 catches its error and lives on 45 s', *T.launch(d, 'sharded-lives', 1, 2), 1)
         elif case == 'caught': show('process 1 of 2 catches its error, then a barrier', *T.launch(d, 'caught', 1, 2), 1)
         elif case == 'killed4': show('process 2 of 4 killed (SIGKILL)', *T.launch_killed(d, 4, 2), 2)
         elif case == 'ctrl-c':
@@ -42,6 +43,6 @@ def run(case):
                       f'the barrier after: {"passed" if o.get("barrier", "") is None else o.get("barrier")!r}')
 
 if __name__ == '__main__':
-    for c in sys.argv[1:] or ['lives', 'caught', 'killed4', 'ctrl-c', 'apart', 'sharded']:
+    for c in sys.argv[1:] or ['lives', 'sharded-lives', 'caught', 'killed4', 'ctrl-c', 'apart', 'sharded']:
         try: run(c)
         except Exception as e: print(f'== {c}: {type(e).__name__}: {str(e)[:500]}')

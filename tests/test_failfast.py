@@ -38,7 +38,7 @@ def stopped(o, fail_rank, n, r):
         assert f'Process {r} stopped at its next collective' in o['message'] and o['cause'].startswith('RuntimeError: '), o
 
 @pytest.mark.parametrize('case,fail_rank,n', [('caught', 1, 2), ('uncaught', 1, 2), ('caught', 0, 2), ('caught', 2, 3),
-                                              ('caught', -1, 2), ('apart', -1, 2), ('lives', 1, 2)])
+                                              ('caught', -1, 2), ('apart', -1, 2), ('lives', 1, 2), ('sharded-lives', 1, 2)])
 def test_peers_stop_within_seconds_and_say_why(tmp_path, case, fail_rank, n):
     res,failed_at,wall,p = launch(tmp_path, case, fail_rank, n)
     if fail_rank == -1: # first, a fit whose error every process raises: each its own, and the group stays for the barrier
@@ -61,6 +61,7 @@ def test_peers_stop_within_seconds_and_say_why(tmp_path, case, fail_rank, n):
         print(f'{case}, process {fail_rank} of {n} failed: process {r} stopped {o["t"]-failed_at:.2f} s later with {o["error"]}: {o["message"][-120:]!r}')
         stopped(o, fail_rank, n, r)
         assert 0 < o['t'] - failed_at < STOP_WITHIN # `lives`: the failing process lives on LIVE_S (45 s) more: not waited for
+        if 'lives' in case: assert o['t'] - failed_at < 10 # it let the group go: before, 57 s (DDP) and 50 s (FSDP2)
     print(f'launch: {wall:.1f} s')
     assert wall < PG_TIMEOUT
 
@@ -114,7 +115,8 @@ def test_ctrl_c_stops_every_process_at_once(tmp_path):
     (before: 21 s, one process sat in DDP's all-reduce until the failing one's 10 s wait ended)"""
     took,res,t0 = interrupt(tmp_path)
     print(f'Ctrl-C: torchrun ended {took:.1f} s later; ' + '; '.join(f'process {r}: {o["error"]} after {o["t"]-t0:.1f} s' for r,o in res.items()))
-    assert took < 8
+    assert sorted(res) == [0, 1] and all(o['error'] in ('KeyboardInterrupt', 'PeerProcessFailed') and o['t'] - t0 < 5 for o in res.values()), res
+    assert took < 10 # torchrun's own shutdown after its processes ended (before: 14.3 s, process 0 sat in the all-reduce 11.4 s)
 
 def test_a_sharded_model_after_a_failed_fit(tmp_path):
     """FSDP2 (`sharded_ctx`): after an error every process raised, the group stays and every process's `learn.save` gathers
