@@ -52,12 +52,6 @@ def _collective_error(exc:BaseException)->bool:
     "Whether `exc` is what a collective raises when a peer left (gloo: a `RuntimeError`; `DistError` subclasses it)"
     return isinstance(exc, RuntimeError) and not isinstance(exc, PeerProcessFailed)
 
-def _wait(store, keys:list[str], seconds:float)->bool:
-    "Whether `store` holds every key of `keys` within `seconds`"
-    from datetime import timedelta
-    try: store.wait(keys, timedelta(seconds=seconds)); return True
-    except Exception: return False
-
 STOPPED_KEY = 'fastxtend_accum/stopped/' # + '<rank>/<n>': a process that stopped its fit before its next collective: a peer failed
 WAITING_KEY = 'fastxtend_accum/waiting/' # + '<rank>/<n>': a process waiting in a collective when a peer's fit failed
 FITTING_KEY = 'fastxtend_accum/fitting/' # + '<rank>/<n>': a process in a fit that `Watch` watches (it stops at its next batch)
@@ -200,9 +194,14 @@ def release_group(groups:list, # The process groups that destroy_process_group h
     # `_pg_registry`; and `torch.distributed.nn.functional`, first imported after the group was made (DDP's constructor imports
     # torch._dynamo, which imports it), took `group.WORLD` as the default of ten functions (as imported before it: None)
     import gc
+    seen = {} # by type: whether its objects may hold a group (looked up once per type: some 400,000 objects in a fastai process)
     with warnings.catch_warnings(): # deprecated objects of torch.distributed warn when looked at
         warnings.simplefilter('ignore')
-        for o in gc.get_objects(): _let_go(o, dead)
+        for o in gc.get_objects():
+            t = type(o)
+            held = seen.get(t)
+            if held is None: held = seen[t] = t is types.FunctionType or str(t.__dict__.get('__module__', '')).startswith('torch.distributed')
+            if held: _let_go(o, dead)
 
 def _let_go(o, dead:set):
     "`o` without the destroyed groups (ids in `dead`): a torch.distributed function's defaults, object's attributes, registry's entries"
@@ -210,7 +209,6 @@ def _let_go(o, dead:set):
         if o.__defaults__ and str(o.__module__).startswith('torch.distributed') and any(id(d) in dead for d in o.__defaults__):
             o.__defaults__ = tuple(None if id(d) in dead else d for d in o.__defaults__)
         return
-    if not str(type(o).__dict__.get('__module__', '')).startswith('torch.distributed'): return
     try: attrs = vars(o)
     except TypeError: return
     for k,v in list(attrs.items()):
