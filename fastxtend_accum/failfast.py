@@ -19,7 +19,7 @@ GRACE_S = 10. # seconds a failing process waits for a process outside its fit to
 _kept,_n_failed = [],0 # destroyed groups' stores (rank 0 serves it outside torchrun); fits that raised in this group
 
 class PeerProcessFailed(RuntimeError):
-    "Another process of the run failed in its fit: this one stopped at its next collective"
+    "Another process of the run failed in its fit: this one stopped at its next batch, or at its next collective"
 
 def describe(exc:BaseException, # An exception
              limit:int=2000, # Characters kept of its message

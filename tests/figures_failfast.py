@@ -19,7 +19,7 @@ def run(case):
         if case == 'lives': show('process 1 of 2 catches its error and lives on 45 s', *T.launch(d, 'lives', 1, 2), 1)
         elif case == 'sharded-lives': show('FSDP2: process 1 of 2 catches its error and lives on 45 s', *T.launch(d, 'sharded-lives', 1, 2), 1)
         elif case == 'caught': show('process 1 of 2 catches its error, then a barrier', *T.launch(d, 'caught', 1, 2), 1)
-        elif case == 'killed4': show('process 2 of 4 killed (SIGKILL)', *T.launch_killed(d, 4, 2), 2)
+        elif case == 'killed4': show('process 2 of 4 killed (SIGKILL)', *T.launch(d, 'killed', 2, 4), 2)
         elif case == 'ctrl-c':
             took,res,t0 = T.interrupt(d)
             print(f'== Ctrl-C on torchrun (2 processes): torchrun ended {took:.1f} s later')

@@ -15,16 +15,20 @@ LAUNCH_TIMEOUT = 240
 STOP_WITHIN = 30
 
 def launch(tmp_path, case, fail_rank, n):
-    # torchrun ends the other workers when one exits: checked every 15 s here, so a peer raises and records its error first
-    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--monitor-interval=15', '--master_addr=127.0.0.1',
+    "Launch the worker's `case` on `n` processes: each process's record (but a killed one's), when it failed, the launch's seconds"
+    # torchrun ends the other workers when one exits: checked every 15 s here (60 s when one is killed), so that a peer raises
+    # and records what it saw first
+    monitor = 60 if case == 'killed' else 15
+    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', f'--monitor-interval={monitor}', '--master_addr=127.0.0.1',
            f'--master_port={free_port()}', WORKER, str(tmp_path), case, str(fail_rank)]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT=str(PG_TIMEOUT)),
                        cwd=os.path.dirname(HERE))
     wall = time.time() - t0
-    assert p.returncode != 0 # a process raised out of its script: torchrun says so
+    assert p.returncode != 0 # a process raised out of its script, or was killed: torchrun says so
     failed_at = float((tmp_path/'failed_at').read_text())
-    res = {r: json.loads((tmp_path/f'rank{r}.json').read_text()) for r in range(n)} # `lives`: the failing one's, written at once
+    # `lives`: the failing one's record is written at once; `killed`: the killed one writes none
+    res = {r: json.loads((tmp_path/f'rank{r}.json').read_text()) for r in range(n) if not (case == 'killed' and r == fail_rank)}
     return res,failed_at,wall,p
 
 def stopped(o, fail_rank, n, r):
@@ -65,23 +69,12 @@ def test_peers_stop_within_seconds_and_say_why(tmp_path, case, fail_rank, n):
     print(f'launch: {wall:.1f} s')
     assert wall < PG_TIMEOUT
 
-def launch_killed(tmp_path, n, killed):
-    "Process `killed` of `n` is killed (SIGKILL) at its 6th micro-batch: the others' records, when it was killed, the launch's seconds"
-    # torchrun ends the others when one dies: checked every 60 s here, so that the survivors say what they saw first
-    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--monitor-interval=60', '--master_addr=127.0.0.1',
-           f'--master_port={free_port()}', WORKER, str(tmp_path), 'killed', str(killed)]
-    t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT=str(PG_TIMEOUT)),
-                       cwd=os.path.dirname(HERE))
-    res = {r: json.loads((tmp_path/f'rank{r}.json').read_text()) for r in range(n) if r != killed}
-    return res,float((tmp_path/'failed_at').read_text()),time.time()-t0,p
-
 @pytest.mark.parametrize('n,killed', [(2, 1), (4, 2)])
 def test_a_killed_process_is_named(tmp_path, n, killed):
     """Process `killed` is killed (SIGKILL) mid-fit: it reports nothing, and each other process names it, not a peer whose
     collective failed after it (before: the survivor raised gloo's 'Connection closed by peer' and named no process; on 4
     processes, processes 0 and 1 named process 3)"""
-    res,failed_at,wall,p = launch_killed(tmp_path, n, killed)
+    res,failed_at,wall,p = launch(tmp_path, 'killed', killed, n)
     for r,o in res.items():
         print(f'process {killed} of {n} killed: process {r} stopped {o["t"]-failed_at:.2f} s later with {o["error"]}: {o["message"][:300]}')
         assert o['error'] == 'PeerProcessFailed' and f'process {killed} of {n} reported nothing' in o['message'], o
