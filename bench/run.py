@@ -1,6 +1,7 @@
 """Run every benchmark in `bench/` and gather the results: `results/*.json`, `results/README.md`, the plots.
 
-Runs `overhead.py`, `memory.py`, `precision.py` and `realmodel.py` (its results named after the device), then `distributed.py` and `sharded.py` where they exist and `microbatch_gpu.py` where it
+Runs `overhead.py`, `memory.py`, `precision.py` and `realmodel.py` (its results named after the device), then
+`distributed.py`, `sharded.py` and `checkpoint.py` where they exist and `microbatch_gpu.py` where it
 exists and CUDA is available, and `peers.py` (with `--peers-python`: `make bench` gives it `.venv-bench`, where Lightning and
 fastxtend are installed), each in its own process (`--quick` is passed on to those that take it). Then writes `results/README.md`
 (the machine, a summary of the targets, each benchmark's table) and `results/overhead.png`, `results/memory.png`;
@@ -11,7 +12,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import *
 
-SCRIPTS = ['overhead.py', 'memory.py', 'precision.py', 'realmodel.py', 'distributed.py', 'sharded.py', 'microbatch_gpu.py', 'peers.py']
+SCRIPTS = ['overhead.py', 'memory.py', 'precision.py', 'realmodel.py', 'distributed.py', 'sharded.py', 'checkpoint.py',
+           'microbatch_gpu.py', 'peers.py']
 NEEDS_CUDA = {'microbatch_gpu.py'}
 
 def takes(script:Path, flag:str)->bool: return f"'{flag}'" in script.read_text() or f'"{flag}"' in script.read_text()
