@@ -107,8 +107,12 @@ def save_sharded(folder:Path|str, # The checkpoint's folder (created): DCP's fil
     tensors = {}
     enc = _encode(sd, (), tensors)
     folder.mkdir(parents=True, exist_ok=True)
-    dcp.save(tensors, checkpoint_id=folder) # each process writes its shards, rank 0 DCP's `.metadata`
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0: # an older checkpoint there goes first (FileSystemWriter's names): a save cut short leaves none to load
+        for f in [folder/META, folder/'.metadata', *folder.glob('__*_*.distcp')]: f.unlink(missing_ok=True)
+    if dist.is_initialized(): dist.barrier()
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder)) # each process its shards (fsynced), rank 0 the index
+    if rank0:
         shapes = {k: dict(shape=list(t.shape), dtype=str(t.dtype).removeprefix('torch.')) for k,t in tensors.items()}
         _write_json(dict(format=FORMAT, world_size=_world(), engine=engine, optimizer=kind, tensors=shapes, state=enc),
                     folder/META)
