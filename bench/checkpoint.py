@@ -20,7 +20,8 @@ measure's). glibc serves blocks of 64 KiB and more with `mmap` (`MALLOC_MMAP_THR
 leaves the RSS. Prints a table: way, processes, state MB, save s, load s, peak RSS over the baseline per process as a
 multiple of the state's size; writes `results/checkpoint.json` and `checkpoint.md`.
 
-Run: `python bench/checkpoint.py` (it starts torchrun itself; `--quick` for a smoke test on a smaller model)."""
+Run: `python bench/checkpoint.py` (it starts torchrun itself; `--quick` for a smoke test: a smaller model, each way on 2
+processes)."""
 from __future__ import annotations
 import argparse, gc, json, os, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -30,6 +31,7 @@ from common import *
 
 OLD,PLAIN,DCP = 'rank 0 + broadcast', 'every process reads', 'DCP, sharded'
 RUNS = [(OLD, 2), (PLAIN, 1), (PLAIN, 2), (PLAIN, 4), (DCP, 1), (DCP, 2), (DCP, 4)]
+QUICK_RUNS = [(OLD, 2), (PLAIN, 2), (DCP, 2)] # `--quick`: each way once, on 2 processes
 MB = 2**20
 
 def status_kb(key:str)->int:
@@ -108,7 +110,7 @@ def launch(way:str, n:int, phase:str, d:Path, a)->list[dict]:
         raise RuntimeError(f"{way} {phase} on {n}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
     return [json.loads((d/f'{phase}-rank{r}.json').read_text()) for r in range(n)]
 
-def measure(a)->dict:
+def measure(a, runs:list)->dict:
     "Every way's rows; the plain file is saved once (rank 0 alone writes it) and read by both ways that read it"
     rows = []
     over = lambda rs: [(r['peak_kb'] - r['base_kb'])*1024/r['state_bytes'] for r in rs]
@@ -124,9 +126,9 @@ def measure(a)->dict:
     size = lambda d: sum(f.stat().st_size for f in Path(d).rglob('*') if f.is_file() and '-rank' not in f.name)
     with tempfile.TemporaryDirectory(dir=a.tmp) as d:
         save = launch(PLAIN, 2, 'save', Path(d), a) # the landed ResumeCheckpoint's save, and the plain way's
-        for way,n in [(w, n) for w,n in RUNS if w != DCP]:
+        for way,n in [(w, n) for w,n in runs if w != DCP]:
             row(way, n, save, launch(way, n, 'load', Path(d), a), size(d))
-    for n in [n for w,n in RUNS if w == DCP]:
+    for n in [n for w,n in runs if w == DCP]:
         with tempfile.TemporaryDirectory(dir=a.tmp) as d:
             save = launch(DCP, n, 'save', Path(d), a)
             row(DCP, n, save, launch(DCP, n, 'load', Path(d), a), size(d))
@@ -155,7 +157,7 @@ def report(res)->tuple[str,str]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--quick', action='store_true', help='a smoke test: a model of 1.6M parameters')
+    p.add_argument('--quick', action='store_true', help='a smoke test: a model of 1.4M parameters, 2 processes')
     p.add_argument('--hidden', type=int, default=None, help='hidden units (default 2048, quick 512)')
     p.add_argument('--layers', type=int, default=None, help='hidden layers (default 8, quick 6)')
     p.add_argument('--out', type=Path, default=RESULTS, help='where checkpoint.json/.md go')
@@ -170,7 +172,7 @@ def main(argv=None):
         from ddp_worker import exit_worker
         worker(a); exit_worker()
     start = time.perf_counter()
-    res = dict(machine=machine(), config=dict(hidden=a.hidden, layers=a.layers, quick=a.quick), **measure(a))
+    res = dict(machine=machine(), config=dict(hidden=a.hidden, layers=a.layers, quick=a.quick), **measure(a, QUICK_RUNS if a.quick else RUNS))
     res['seconds'] = time.perf_counter()-start
     text,md = report(res)
     print(text)

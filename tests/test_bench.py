@@ -167,3 +167,19 @@ def test_realmodel_quick(tmp_path):
         assert {r['reference'] for r in times} == {'loop (fastai Adam)', 'loop (torch AdamW)'}
     assert p.stdout.count('not judged on CPU') == 20
     assert (tmp_path/'realmodel_cpu.md').read_text().startswith('## Real models on cpu')
+
+@pytest.mark.multiprocess
+def test_checkpoint_quick(tmp_path):
+    """`bench/checkpoint.py --quick` (torchrun, 2 processes): each way saves and loads once. Memory is asserted, not
+    time: a sharded load holds about its own half of the moments (1/3 of the state), reading every process's copy holds more
+    than the whole state, and rank 0's broadcast more than twice the state on each process"""
+    p = subprocess.run([sys.executable, str(BENCH/'checkpoint.py'), '--quick', '--out', str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS='ignore'))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (tmp_path/'checkpoint.md').read_text().startswith('## Checkpoint')
+    rows = {r['way']: r for r in json.loads((tmp_path/'checkpoint.json').read_text())['rows']}
+    assert set(rows) == {'rank 0 + broadcast', 'every process reads', 'DCP, sharded'}
+    assert all(r['processes'] == 2 and len(r['load_peak_x']) == 2 for r in rows.values())
+    assert all(0.3 < x < 0.6 for x in rows['DCP, sharded']['load_peak_x']), rows['DCP, sharded']
+    assert all(x > 1 for x in rows['every process reads']['load_peak_x'])
+    assert all(x > 2 for x in rows['rank 0 + broadcast']['load_peak_x'])
