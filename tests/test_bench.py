@@ -171,8 +171,8 @@ def test_realmodel_quick(tmp_path):
 @pytest.mark.multiprocess
 def test_checkpoint_quick(tmp_path):
     """`bench/checkpoint.py --quick` (torchrun, 2 processes): each way saves and loads once. Memory is asserted, not
-    time: a sharded load holds about its own half of the moments (1/3 of the state), reading every process's copy holds more
-    than the whole state, and rank 0's broadcast more than twice the state on each process"""
+    time: a sharded load holds about its own half of the moments (1/3 of the state), reading every process's copy holds
+    more than the whole state, and rank 0's broadcast more than twice the state on each process"""
     p = subprocess.run([sys.executable, str(BENCH/'checkpoint.py'), '--quick', '--out', str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS='ignore'))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
