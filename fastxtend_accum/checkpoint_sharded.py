@@ -4,12 +4,13 @@
 
 # %% ../nbs/checkpoint_sharded.ipynb #aa55ed94
 from __future__ import annotations
-import json, os
+import json, os, pickle
 import torch.distributed as dist
 from fastai.basics import *
 from torch.nn.parallel import DistributedDataParallel
 try: # PyTorch 2.6 and later: the distributed checkpoint (DCP) and its state dicts, all public names
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, set_model_state_dict,
                                                          get_optimizer_state_dict, set_optimizer_state_dict)
 except ImportError: dcp = None
@@ -119,6 +120,47 @@ def save_sharded(folder:Path|str, # The checkpoint's folder (created): DCP's fil
     if dist.is_initialized(): dist.barrier() # the checkpoint is whole when any process returns
     return folder
 
+# %% ../nbs/checkpoint_sharded.ipynb #d8f2b4a6
+# DCP's `FileSystemReader.read_metadata` reads `.metadata` with `pickle.load`; torch 2.13 has no `weights_only` for it.
+# The classes an index of tensors is made of. Private torch names, here only: DCP's `_StorageInfo` (a file's offsets)
+# and `_MEM_FORMAT_ENCODING` (how `TensorProperties` pickles a memory format), torch's `_get_layout` (how a layout
+# pickles). `BytesStorageMetadata` is left out: DCP reads such entries with `torch.load(weights_only=False)`.
+_INDEX_GLOBALS = {
+    *[('torch.distributed.checkpoint.metadata', n) for n in ('Metadata', 'StorageMeta', 'MetadataIndex',
+      'TensorStorageMetadata', 'TensorProperties', 'ChunkStorageMetadata', '_MEM_FORMAT_ENCODING')],
+    ('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch.serialization', '_get_layout'),
+    ('torch', 'Size'), *[('torch', n) for n,v in vars(torch).items() if isinstance(v, torch.dtype)],
+    *[('pathlib', n) for n in ('PosixPath', 'WindowsPath', 'PurePosixPath', 'PureWindowsPath')]}
+
+class _IndexUnpickler(pickle.Unpickler):
+    "Unpickles DCP's index: a global not in `_INDEX_GLOBALS` is refused before it is looked up"
+    def __init__(self, f, path): super().__init__(f, fix_imports=False); self.path = path
+    def find_class(self, module, name):
+        if (module, name) in _INDEX_GLOBALS: return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{self.path} is refused: its pickle calls {module}.{name}, which is not part "
+                                     "of DCP's index of tensors (nothing of the file was run)")
+
+def _read_index(path:Path)->dcp.Metadata:
+    "DCP's index at `path` read as data: its classes (`_IndexUnpickler`), its entries tensors, its files the folder's"
+    with open(path, 'rb') as f: md = _IndexUnpickler(f, path).load()
+    if not isinstance(md, dcp.Metadata): raise ValueError(f"{path} is not DCP's index (a {type(md).__name__})")
+    bad = [k for k,v in md.state_dict_metadata.items() if not isinstance(v, dcp.TensorStorageMetadata)]
+    if bad: raise ValueError(f"{path} is refused: its entry {bad[0]!r} is not a tensor")
+    for s in (md.storage_data or {}).values():
+        f = getattr(s, 'relative_path', None)
+        if not isinstance(f, str) or f in ('', '.', '..') or os.path.basename(f) != f or '\\' in f:
+            raise ValueError(f"{path} is refused: it points to {f!r}, which is not a file of its folder")
+    return md
+
+class _DataReader(dcp.FileSystemReader if dcp else object):
+    "DCP's `FileSystemReader`, reading its index with `_read_index` (`.metadata`, or a process's `__<rank>.metadata`)"
+    def read_metadata(self, *args, **kwargs)->dcp.Metadata:
+        rank = kwargs.get('rank')
+        md = _read_index(Path(self.checkpoint_id)/('.metadata' if rank is None else f'__{rank}.metadata'))
+        if md.storage_meta is None: md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
 # %% ../nbs/checkpoint_sharded.ipynb #55222c65
 def _agree(error:tuple|None):
     "Raise `error` (message, kind) on every process if any has one (a collective): none enters DCP's collectives alone"
@@ -151,6 +193,14 @@ def _read_meta(folder:Path, kind:str|None)->tuple:
                      f"{says[kind]}: build the Learner with the opt_func of the run that saved it", 'optimizer')
     return meta,None
 
+def _index_error(folder:Path, meta:dict)->tuple|None:
+    "Why DCP's index cannot be read as data, or does not hold the tensors `sharded.json` names (message, kind); or None"
+    try: index = _read_index(folder/'.metadata').state_dict_metadata
+    except Exception as e: return f"Cannot load the sharded checkpoint {folder}: {type(e).__name__}: {e}",'unreadable'
+    bad = [k for k,v in meta['tensors'].items() if k not in index or list(index[k].size) != v['shape']]
+    if bad: return (f"Cannot load the sharded checkpoint {folder}: DCP's index (.metadata) and {META} disagree on "
+                    f"{bad[0]}", 'unreadable')
+
 def _differences(what:str, saved:dict, now:dict)->str|None:
     "The first differences between the saved tensors' names and shapes and those of `now`'s"
     missing,extra = [k for k in now if k not in saved],[k for k in saved if k not in now]
@@ -181,6 +231,8 @@ def _check(folder:Path, model:nn.Module, opt, kind:str|None, names:dict)->tuple:
     "The tensors to load into, and the reason (message, kind) the checkpoint cannot be loaded, or None"
     meta,err = _read_meta(folder, kind)
     if meta is None: return None,{},err
+    err = _index_error(folder, meta)
+    if err is not None: return None,{},err
     saved,targets = meta['tensors'],{}
     _encode({'model': get_model_state_dict(model)}, (), targets)
     err = _differences('model', {k: v for k,v in saved.items() if k.startswith('model/')}, targets)
@@ -210,7 +262,7 @@ def load_sharded(folder:Path|str, # A folder save_sharded wrote, on any number o
     names = _param_names(model)
     meta,targets,err = _check(folder, model, opt, kind, names)
     _agree(err) # the same decision on every process, before any of DCP's collectives
-    dcp.load(targets, checkpoint_id=folder) # each process reads the parts of its own shards, in place
+    dcp.load(targets, storage_reader=_DataReader(folder)) # each process reads its own shards' parts, in place
     state = _decode(meta['state'], targets)
     set_model_state_dict(model, state['model'])
     if kind == 'fastai':

@@ -86,3 +86,51 @@ def test_refusals(runs):
     print(errs[0])
     assert errs[0] == errs[1] and 'saved on 2 processes, loaded on 2' in errs[0]
     assert 'model/0.weight (32, 64) saved, (16, 64) now' in errs[0]
+
+class Plants:
+    "Unpickled, creates the file `path`: what a checkpoint's code could do at a load"
+    def __init__(self, path): self.path = path
+    def __reduce__(self): return (open, (str(self.path), 'w'))
+
+@pytest.mark.parametrize('where', ['whole', 'inside'])
+def test_index_is_read_as_data(tmp_path, where):
+    """DCP's `.metadata` replaced by a pickle that creates a file (the whole file, or a value deep inside a real index):
+    load_sharded refuses it naming the file and the global, the file is not created, the model is unchanged; the plain
+    `pickle.load` DCP's own reader uses would have created it (1 process, no process group)"""
+    import pickle, warnings
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from fastai.optimizer import Adam
+    from fastxtend_accum.checkpoint_sharded import save_sharded, load_sharded, _DataReader
+    from fastxtend_accum.test_utils import digits_mlp
+    warnings.filterwarnings('ignore', message='torch.distributed is disabled')
+    m = digits_mlp(seed=0)
+    save_sharded(tmp_path/'ck', m, Adam(list(m.parameters()), lr=1e-3))
+    f,marker = tmp_path/'ck'/'.metadata',tmp_path/'ran'
+    good = f.read_bytes()
+    index = pickle.loads(good)
+    if where == 'inside': index.planner_data = Plants(marker)
+    f.write_bytes(pickle.dumps(index if where == 'inside' else Plants(marker)))
+    m2 = digits_mlp(seed=1)
+    before = {k: v.clone() for k,v in m2.state_dict().items()}
+    with pytest.raises(ValueError) as e: load_sharded(tmp_path/'ck', m2, Adam(list(m2.parameters()), lr=1e-3))
+    print(e.value)
+    assert f"{f} is refused: its pickle calls io.open" in str(e.value)
+    assert not marker.exists()
+    with pytest.raises(pickle.UnpicklingError, match='calls io.open'): _DataReader(tmp_path/'ck').read_metadata()
+    assert not marker.exists() and all(torch.equal(v, m2.state_dict()[k]) for k,v in before.items())
+    pickle.loads(f.read_bytes()) # the control: read as DCP's FileSystemReader reads it, it runs
+    assert marker.exists()
+    # an entry DCP would read from the .distcp files with torch.load(weights_only=False); a file outside the folder
+    index = pickle.loads(good)
+    index.state_dict_metadata['model/0.weight'] = BytesStorageMetadata()
+    f.write_bytes(pickle.dumps(index))
+    with pytest.raises(ValueError, match='calls torch.distributed.checkpoint.metadata.BytesStorageMetadata'):
+        load_sharded(tmp_path/'ck', m2, Adam(list(m2.parameters()), lr=1e-3))
+    index = pickle.loads(good)
+    next(iter(index.storage_data.values())).relative_path = '../elsewhere.distcp'
+    f.write_bytes(pickle.dumps(index))
+    with pytest.raises(ValueError, match="points to '../elsewhere.distcp', which is not a file of its folder"):
+        load_sharded(tmp_path/'ck', m2, Adam(list(m2.parameters()), lr=1e-3))
+    f.write_bytes(good) # the real index loads
+    load_sharded(tmp_path/'ck', m2, Adam(list(m2.parameters()), lr=1e-3))
+    assert all(torch.equal(v, m2.state_dict()[k]) for k,v in m.state_dict().items())
