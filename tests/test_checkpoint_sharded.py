@@ -1,7 +1,8 @@
 """Sharded checkpoints (`checkpoint_sharded`: `torch.distributed.checkpoint`) of a fastai fit in `learn.sharded_ctx()`
 (FSDP2, torchrun, gloo, CPU, float64): saved after the first epoch's optimizer steps, the fit cancelled, new processes
 load it and train on, equal to the fit that was not cut; the state loaded on 1 or 2 processes from a checkpoint of 2 or
-1 is the state saved, exactly. The workers are `checkpoint_sharded_worker.py`."""
+1 is the state saved, exactly; DCP's index is read as data (no code of it runs). The workers are
+`checkpoint_sharded_worker.py`."""
 import os, re, subprocess, sys
 import pytest, torch
 pytestmark = [pytest.mark.multiprocess]
