@@ -24,7 +24,7 @@ __all__ = ['FORMAT', 'META', 'CheckpointError', 'atomic_save', 'file_digest', 'r
            'weights_digest', 'ResumeCheckpoint']
 
 # %% ../nbs/resume.ipynb #e34ea678
-FORMAT = 3 # the checkpoint layout this version writes and reads (2: one pickled file; 1: before checkpoints recorded their run)
+FORMAT = 3 # the layout this version writes and reads (2: one pickled file; 1: before checkpoints recorded their run)
 META = 'checkpoint.json' # the metadata file of a checkpoint folder: plain JSON
 _UMASK = os.umask(0); os.umask(_UMASK) # read once, at import: the mode a new checkpoint folder gets
 
@@ -48,7 +48,7 @@ def _fsync_dir(d:Path):
     finally: os.close(fd)
 
 def _open_new(path:Path)->int:
-    "A file descriptor of a new file `path`, created exclusively: a file or symlink already there is an error, never followed"
+    "A descriptor of a new file `path`, created exclusively: a file or symlink there is an error, never followed"
     return os.open(path, os.O_WRONLY|os.O_CREAT|os.O_EXCL|getattr(os, 'O_NOFOLLOW', 0), 0o666)
 
 def _new_tmp(path:Path)->tuple:
@@ -57,7 +57,7 @@ def _new_tmp(path:Path)->tuple:
     return fd,Path(name)
 
 def _write_fd(fd:int, obj):
-    "`torch.save(obj)` into the open file `fd` (a Python file: the OS error, ENOSPC or EFBIG, reaches us), flushed to disk"
+    "`torch.save(obj)` into the open file `fd` (a Python file: the OS error reaches us), flushed to disk"
     with open(fd, 'wb') as f:
         torch.save(obj, f)
         f.flush(); os.fsync(f.fileno())
@@ -65,7 +65,7 @@ def _write_fd(fd:int, obj):
 def atomic_save(obj, # What torch.save writes
                 path:Path|str, # Where
                ):
-    "`torch.save(obj, path)` through a new temporary file beside `path` and `os.replace`, the folder fsynced: a crash mid-save leaves the previous file whole; the previous file's permissions are kept; a failed write names the file and the OS cause"
+    "`torch.save(obj, path)` through a new temporary file, `os.replace`, the folder fsynced, the permissions kept"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = None
@@ -77,8 +77,8 @@ def atomic_save(obj, # What torch.save writes
         os.replace(tmp, path); tmp = None
         _fsync_dir(path.parent)
     except Exception as e: # torch's writer can fail at its end too: the OS error is then the one it was handling
-        raise CheckpointError(linked(f"Could not write the checkpoint {path}: {_why(e)}. The previous checkpoint, if any, is "
-                                     "kept", 'resume')) from e
+        raise CheckpointError(linked(f"Could not write the checkpoint {path}: {_why(e)}. The previous checkpoint, if "
+                                     "any, is kept", 'resume')) from e
     finally:
         if tmp is not None: tmp.unlink(missing_ok=True)
 
@@ -90,16 +90,17 @@ def file_digest(path:Path|str)->dict:
     return dict(sha256=h.hexdigest(), size=n)
 
 def _fail(path, why:str, e=None):
-    raise CheckpointError(linked(f"Cannot resume from {path}: {why}. Remove it (or pass resume=False) to train from the start",
-                                 'resume')) from e
+    raise CheckpointError(linked(f"Cannot resume from {path}: {why}. Remove it (or pass resume=False) to train from "
+                                 "the start", 'resume')) from e
 
 def _meta_sha(meta:dict)->str:
     "sha256 of the metadata without its own checksum, as written (sorted keys)"
-    return hashlib.sha256(json.dumps({k:v for k,v in meta.items() if k != 'sha256'}, sort_keys=True).encode()).hexdigest()
+    text = json.dumps({k:v for k,v in meta.items() if k != 'sha256'}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 def read_meta(folder:Path|str, # A checkpoint folder
              )->dict:
-    "The checkpoint's metadata (JSON: nothing in it runs), checked: a `CheckpointError` names truncation, corruption or another version"
+    "The checkpoint's metadata (JSON), checked: a `CheckpointError` names truncation, corruption or another version"
     path = Path(folder)/META
     try: text = path.read_bytes()
     except FileNotFoundError as e: _fail(path, 'it is missing (a save that did not finish)', e)
@@ -109,20 +110,22 @@ def read_meta(folder:Path|str, # A checkpoint folder
     if not isinstance(meta, dict) or 'format' not in meta: _fail(path, 'it is not a checkpoint of fastxtend_accum')
     if meta['format'] != FORMAT: _fail(path, f"it is in checkpoint format {meta['format']} (fastxtend_accum "
         f"{meta.get('versions', {}).get('fastxtend_accum')}), and this version ({__version__}) reads format {FORMAT}")
-    if meta.get('sha256') != _meta_sha(meta): _fail(path, 'it is corrupted: its contents do not match the checksum they were saved with')
+    if meta.get('sha256') != _meta_sha(meta):
+        _fail(path, 'it is corrupted: its contents do not match the checksum they were saved with')
     return meta
 
 def check_file(folder:Path|str, # A checkpoint folder
                name:str, # One of its files
                meta:dict, # Its metadata (read_meta)
               )->Path:
-    "The file's path, once its size and its bytes' sha256 match the metadata's: else a `CheckpointError` naming it and the cause"
+    "The file's path, once its size and sha256 match the metadata's: else a `CheckpointError` naming it and the cause"
     path,want = Path(folder)/name,meta['files'].get(name)
     if want is None: _fail(path, f"the checkpoint's {META} does not list it")
     if not path.is_file(): _fail(path, 'it is missing')
     size = path.stat().st_size
-    if size != want['size']: _fail(path, f"it is truncated ({size} bytes of the {want['size']} written)" if size < want['size']
-                                    else f"it is corrupted ({size} bytes, {want['size']} were written)")
+    if size != want['size']:
+        _fail(path, f"it is truncated ({size} bytes of the {want['size']} written)" if size < want['size']
+                    else f"it is corrupted ({size} bytes, {want['size']} were written)")
     if file_digest(path)['sha256'] != want['sha256']:
         _fail(path, 'it is corrupted: its bytes do not match the sha256 it was saved with')
     return path
@@ -132,36 +135,38 @@ def load_file(folder:Path|str, # A checkpoint folder
               meta:dict, # Its metadata (read_meta)
               mmap:bool=True, # Map the file rather than read it: the tensors' pages are read where they are used
              ):
-    "`torch.load(weights_only=True)` of a checkpoint's file, after `check_file`: tensors and plain values only, nothing runs"
+    "`torch.load(weights_only=True)` of a checkpoint's file, after `check_file`: tensors and plain values, nothing runs"
     path = check_file(folder, name, meta)
     try: return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
     except Exception as e:
         m = re.search(r'Unsupported global: GLOBAL (\S+)', str(e))
-        why = f'it names {m.group(1)}, a global that no tensor file needs' if m else f'{type(e).__name__}: {str(e)[:300]}'
+        why = (f'it names {m.group(1)}, a global that no tensor file needs' if m
+               else f'{type(e).__name__}: {str(e)[:300]}')
         _fail(path, f'it holds more than tensors and plain values, and was not unpickled ({why})', e)
 
 def _data(o):
-    "`o` as `torch.load(weights_only=True)` reads it back: containers as dicts/lists, numpy values as Python's, arrays as tensors"
+    "`o` as `torch.load(weights_only=True)` reads it: dicts, lists, numpy values as Python's, arrays as tensors"
     if isinstance(o, np.generic): return o.item() # before float: np.float64 is a float, and torch.load refuses it
     if isinstance(o, Tensor) or o is None or isinstance(o, (bool, int, float, str)): return o
     if isinstance(o, dict): return {k: _data(v) for k,v in o.items()}
     if isinstance(o, tuple): return tuple(_data(v) for v in o)
     if isinstance(o, (list, L)): return [_data(v) for v in o]
     if isinstance(o, np.ndarray): return torch.from_numpy(o.copy())
-    raise CheckpointError(linked(f"A checkpoint holds tensors and plain values only, and this is a {type(o).__qualname__}: "
-                                 f"{o!r:.200}", 'resume-pickle'))
+    raise CheckpointError(linked(f"A checkpoint holds tensors and plain values only, and this is a "
+                                 f"{type(o).__qualname__}: {o!r:.200}", 'resume-pickle'))
 
 # %% ../nbs/resume.ipynb #f64fc0b2
 def _rank()->int: return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 def _world()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-def _plain(model:nn.Module)->nn.Module: return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
+def _plain(model:nn.Module)->nn.Module:
+    return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
 def _shuffle_source(dl):
     "The loader whose `random.Random` draws the epoch's order: the one fastai's `DistributedDL` wraps, if it does"
     inner = getattr(dl, 'dl', None)
     return inner if hasattr(inner, 'rng') else dl
 
 def _value(v):
-    "A hyper-parameter or setting as plain Python (numbers as floats, arrays as lists), for a record that compares and pickles"
+    "A hyper-parameter or setting as plain Python (numbers as floats, arrays as lists), for a record that compares"
     if isinstance(v, (bool, int, str)) or v is None: return v
     if isinstance(v, (list, tuple)): return [_value(o) for o in v]
     try: return np.asarray(v, dtype=float).tolist()
@@ -177,19 +182,21 @@ def _optimizer(learn)->str:
     return name + (f" [{', '.join(names)}]" if names else '')
 
 def _model_id(model:nn.Module)->str:
-    "The model's class, tensors, values and a digest of its repr: what a notebook cell that builds another model changes"
+    "The model's class, tensors, values and a digest of its repr: what a cell that builds another model changes"
     m = _plain(model)
     sd = m.state_dict()
     return (f"{type(m).__qualname__}, {len(sd)} tensors, {sum(v.numel() for v in sd.values())} values, repr sha256 "
             f"{hashlib.sha256(repr(m).encode()).hexdigest()[:12]}")
 
-_SETTINGS = ('accum_bs', 'global_bs', 'micro_bs', 'n_acc', 'start_accum_bs', 'final_accum_bs', 'start', 'finish', 'drop_last')
+_SETTINGS = ('accum_bs', 'global_bs', 'micro_bs', 'n_acc', 'start_accum_bs', 'final_accum_bs', 'start', 'finish',
+             'drop_last')
 
 def run_record(learn:Learner, # At before_fit, before a callback changed the optimizer's hyper-parameters
               )->dict:
-    "What a fit trains, as a resume must find it again: the accumulation, the data, the optimizer, the schedule and the versions"
+    "What a fit trains, as a resume must find it again: model, loss, accumulation, data, optimizer, schedule, versions"
     accum = {type(cb).__name__: {k: _value(getattr(cb, k)) for k in _SETTINGS if hasattr(cb, k)} for cb in learn.cbs
-             if type(cb).__module__.startswith('fastxtend_accum.callback') or type(cb).__name__ == 'GradientAccumulation'}
+             if type(cb).__module__.startswith('fastxtend_accum.callback')
+             or type(cb).__name__ == 'GradientAccumulation'}
     scheds = {}
     for cb in learn.cbs:
         for k,s in getattr(cb, 'scheds', {}).items(): scheds[k] = [_value(s(p)) for p in (0., .25, .5, .75, 1.)]
@@ -199,11 +206,13 @@ def run_record(learn:Learner, # At before_fit, before a callback changed the opt
             if k not in scheds: hypers.setdefault(k, []).append(_value(v))
     hypers = {k: v[0] if all(o == v[0] for o in v) else v for k,v in hypers.items()}
     dl = learn.dls.train
-    return dict(model=_model_id(learn.model), loss=repr(learn.loss_func)[:300], n_epoch=learn.n_epoch, accumulation=accum, micro_bs=getattr(dl, 'bs', None), n_samples=len(dl.dataset),
+    return dict(model=_model_id(learn.model), loss=repr(learn.loss_func)[:300], n_epoch=learn.n_epoch,
+                accumulation=accum, micro_bs=getattr(dl, 'bs', None), n_samples=len(dl.dataset),
                 optimizer=_optimizer(learn), hypers=hypers, schedule=scheds, world_size=_world(),
                 versions={'fastxtend_accum': __version__, 'fastai': fastai.__version__})
 
-_NAMES = dict(loss='loss function', n_epoch='epochs', micro_bs='micro-batch size (the training loader\'s bs)', n_samples='training samples',
+_NAMES = dict(loss='loss function', n_epoch='epochs', micro_bs='micro-batch size (the training loader\'s bs)',
+              n_samples='training samples',
               hypers="optimizer hyper-parameter", schedule='schedule (at 0, 25, 50, 75 and 100% of the fit) of',
               world_size='processes')
 
@@ -219,7 +228,7 @@ def record_differences(saved:dict, # run_record of the checkpoint's fit
                        now:dict, # ...and of the fit that would resume it
                        ignore:tuple=(), # Keys not compared
                       )->list[str]:
-    "Each way `now` is another run than `saved`: the processes count only where the windows depend on them (no `global_bs`)"
+    "Each way `now` is another run than `saved`: processes count only where the windows depend on them (no `global_bs`)"
     glob = any(s.get('global_bs') for s in now['accumulation'].values())
     skip = set(ignore) | ({'world_size'} if glob else set())
     a,b = _flat(saved),_flat(now)
@@ -246,7 +255,7 @@ def save_weights(folder:Path, # The checkpoint's (temporary) folder, on every pr
                  model:nn.Module, # The model as the Learner holds it
                  opt, # learn.opt, or None
                 ):
-    "Write the model's and the optimizer's state into `folder`: rank 0 writes `model.pt` and `optimizer.pt`; a sharded model's processes each write their shards (`save_sharded`, collective)"
+    "Write the model's and optimizer's state into `folder`: `model.pt`, `optimizer.pt`; sharded: `save_sharded`"
     if _is_sharded(model):
         from .checkpoint_sharded import save_sharded
         return save_sharded(folder, model, opt)
@@ -259,9 +268,9 @@ def load_weights(folder:Path, # A checkpoint folder, its files checked against..
                  model:nn.Module, # The model as the Learner holds it
                  opt, # learn.opt, or None
                 ):
-    "Read the model's and the optimizer's state from `folder` into `model` and `opt`, each process its own (a sharded model: `load_sharded`, collective)"
+    "Read the model's and optimizer's state from `folder`, each process itself (a sharded model: `load_sharded`)"
     if _is_sharded(model):
-        for name in meta['files']: # torch.distributed.checkpoint's files, .metadata a pickle among them: checked before it reads them
+        for name in meta['files']: # torch.distributed.checkpoint's files (its .metadata is a pickle): checked first
             if not name.startswith('process-'): check_file(folder, name, meta)
         from .checkpoint_sharded import load_sharded
         return load_sharded(folder, model, opt)
@@ -272,9 +281,10 @@ def load_weights(folder:Path, # A checkpoint folder, its files checked against..
 
 # %% ../nbs/resume.ipynb #3fe1da90
 def process_state(learn:Learner)->dict:
-    "This process's own state: Python's, NumPy's, torch's CPU and CUDA random streams, the training loader's shuffle and a `GradScaler`'s"
+    "This process's state: Python's, NumPy's, torch's CPU and CUDA random streams, the loader's shuffle, a `GradScaler`"
     name,keys,pos,has_gauss,gauss = np.random.get_state()
-    st = dict(python=random.getstate(), numpy=[name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+    st = dict(python=random.getstate(),
+              numpy=[name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
               torch=torch.get_rng_state(), shuffle=_shuffle_source(learn.dls.train).rng.getstate())
     if torch.cuda.is_available() and torch.cuda.is_initialized(): st['cuda'] = torch.cuda.get_rng_state_all()
     scaler = getattr(learn, 'scaler', None)
@@ -289,7 +299,8 @@ def restore_process_state(learn:Learner, st:dict, scaler:bool=True):
     torch.set_rng_state(st['torch'])
     _shuffle_source(learn.dls.train).rng.setstate(st['shuffle'])
     if 'cuda' in st and torch.cuda.is_available(): torch.cuda.set_rng_state_all(st['cuda'][:torch.cuda.device_count()])
-    if scaler and 'scaler' in st and getattr(learn, 'scaler', None) is not None: learn.scaler.load_state_dict(st['scaler'])
+    if scaler and 'scaler' in st and getattr(learn, 'scaler', None) is not None:
+        learn.scaler.load_state_dict(st['scaler'])
 
 def _num(v)->float|list:
     "A recorded value (tensor, numpy, number) as plain floats"
@@ -302,7 +313,8 @@ def recorder_state(learn:Learner)->dict|None:
     if r is None or not hasattr(r, 'losses'): return None
     sm = r.smooth_loss
     return dict(lrs=_num(r.lrs), iters=_num(r.iters), losses=_num(r.losses), values=[_num(v) for v in r.values],
-                smooth=dict(count=int(sm.count), val=_num(sm.val), dtype=str(getattr(sm.val, 'dtype', 'torch.float32'))[6:]))
+                smooth=dict(count=int(sm.count), val=_num(sm.val),
+                            dtype=str(getattr(sm.val, 'dtype', 'torch.float32'))[6:]))
 
 def restore_recorder(learn:Learner, st:dict|None):
     "Restore `recorder_state`'s `st`: the resumed fit's Recorder holds the whole fit"
@@ -320,7 +332,8 @@ def checkpoints(folder:Path, # learn.path/learn.model_dir/fname
                )->list[Path]:
     "The checkpoint folders in `folder`, oldest first (by fit, then optimizer step)"
     if not folder.is_dir(): return []
-    found = [(tuple(map(int, m.groups())), p) for p in folder.iterdir() if (m := _NAME.fullmatch(p.name)) and p.is_dir()]
+    found = [(tuple(map(int, m.groups())), p) for p in folder.iterdir()
+             if (m := _NAME.fullmatch(p.name)) and p.is_dir()]
     return [p for _,p in sorted(found)]
 
 def _host()->str: return socket.gethostname().replace('.', '_')[:40]
@@ -332,7 +345,7 @@ def _alive(pid:int)->bool:
     return True
 
 def _leftovers(folder:Path)->list[Path]:
-    "Temporary folders a save on this host left when its process died (their name holds host and pid): a live process's are not"
+    "Temporary folders a save on this host left when its process died (their names hold host and pid): not a live one's"
     res = []
     if not folder.is_dir(): return res
     for p in folder.iterdir():
@@ -343,14 +356,15 @@ def _leftovers(folder:Path)->list[Path]:
 def weights_digest(model:nn.Module, # The model as the Learner holds it
                    n:int=64, # Values sampled from each tensor
                   )->str:
-    "A cheap sha256 of the model's weights: each tensor's name, dtype, shape and `n` of its first values and `n` spread over it (a sharded tensor: its first values, which rank 0 holds)"
+    "A cheap sha256 of the weights: each tensor's name, dtype, shape, `n` first values, `n` spread (sharded: first)"
     h = hashlib.sha256()
     for k,v in _plain(model).state_dict().items():
         local = v.to_local() if hasattr(v, 'to_local') else v
         t = local.detach().reshape(-1)
         idx = torch.arange(min(n, t.numel()))
         if local is v and t.numel() > n: idx = torch.cat([idx, torch.linspace(0, t.numel()-1, n).long()])
-        h.update(f'{k}{v.dtype}{tuple(v.shape)}'.encode()); h.update(t[idx].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(f'{k}{v.dtype}{tuple(v.shape)}'.encode())
+        h.update(t[idx].cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 def _bcast(o):
@@ -372,21 +386,24 @@ def _agree(err:str|None, what:str):
 
 # %% ../nbs/resume.ipynb #a37cb002
 class ResumeCheckpoint(LeftOutOfExport, Callback):
-    "Save a checkpoint folder after every epoch (each process its own state); when the same run starts again, continue it where it stopped"
+    "Save a checkpoint folder after every epoch, each process its own state; the same run started again continues"
     order = TrainEvalCallback.order+1 # before_fit: before the engine wraps the model (fastai's DistributedTrainer, 11)
     def __init__(self,
-        fname:str='checkpoint', # Folder in learn.path/learn.model_dir that holds the checkpoints (a name, used literally)
-        resume:bool|str='auto', # 'auto': resume the same run; True: resume the folder's run even from other first weights; False: start fresh
+        fname:str='checkpoint', # Folder in learn.path/learn.model_dir holding the checkpoints (a name, used literally)
+        resume:bool|str='auto', # 'auto': the same run only; True: also from other first weights; False: start fresh
         run_id:str|None=None, # The run's name, saved in the checkpoint: another run's checkpoint is refused
         ignore:tuple=(), # Keys of run_record not compared on resume (e.g. 'versions')
         keep:int=1, # Checkpoints kept in the folder: the newest
     ):
-        if resume not in (True, False, 'auto'): raise ValueError(linked(f"resume must be 'auto', True or False, got {resume!r}", 'resume'))
-        if not (isinstance(keep, int) and keep >= 1): raise ValueError(linked(f'keep must be an int >= 1, got {keep!r}', 'resume'))
+        if resume not in (True, False, 'auto'):
+            raise ValueError(linked(f"resume must be 'auto', True or False, got {resume!r}", 'resume'))
+        if not (isinstance(keep, int) and keep >= 1):
+            raise ValueError(linked(f'keep must be an int >= 1, got {keep!r}', 'resume'))
         if not fname or Path(fname).name != fname or fname in ('.', '..'):
             raise ValueError(linked(f"fname must be a folder's name (no '/'), got {fname!r}", 'resume'))
         store_attr()
-        self.i_fit,self.records,self.identity = 0,[],None # training fits done (the next fit's index), their `run_record`s, the run's weights_digest
+        # training fits done (the next fit's index), their `run_record`s, the run's weights_digest
+        self.i_fit,self.records,self.identity = 0,[],None
 
     @property
     def folder(self)->Path:
@@ -396,7 +413,7 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
     def before_fit(self):
         "Decide on rank 0 whether this fit resumes a checkpoint; every process then reads its own share of it"
         self._remove_skip() # one a fit that raised left behind
-        # `lr_find`'s fit is no training, and `validate`/`get_preds` fire `before_fit` too (holding the Learner's lock): neither loads nor saves
+        # `lr_find`'s fit is no training, and `validate`/`get_preds` fire `before_fit` too (holding the Learner's lock)
         self.start,self.pending,self.skip = 0,None,hasattr(self.learn, 'lr_finder') or self.learn.lock.locked()
         if self.skip: return
         k,record = self.i_fit,run_record(self.learn) # a fit that raised keeps its index: the next one resumes it
@@ -420,19 +437,24 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         self.records = meta['fits'][:k] + [record]
         restore_process_state(self.learn, st, scaler=False)
         self.learn.train_iter = meta['train_iter']
-        self.start = meta['epoch']+1 if meta['fit'] == k else self.n_epoch # an earlier fit of the run: done, all skipped
-        self.pending = (st, meta.get('recorder')) if meta['fit'] == k else None
-        if _rank() == 0: print(linked(f"ResumeCheckpoint: fit {k} of this run " + (f"resumed at epoch {self.start} of {self.n_epoch}"
-            if self.start < self.n_epoch else "was completed before: its epochs are skipped") + f" ({folder}, saved after fit "
-            f"{meta['fit']} epoch {meta['epoch']}){note}", 'resume'))
+        done = meta['fit'] > k # an earlier fit of the run: done, all its epochs skipped
+        self.start = self.n_epoch if done else meta['epoch']+1
+        self.pending = None if done else (st, meta.get('recorder'))
+        if _rank() == 0:
+            how = (f"resumed at epoch {self.start} of {self.n_epoch}" if self.start < self.n_epoch
+                   else "was completed before: its epochs are skipped")
+            print(linked(f"ResumeCheckpoint: fit {k} of this run {how} ({folder}, saved after fit {meta['fit']} epoch "
+                         f"{meta['epoch']}){note}", 'resume'))
         saved,now = meta['world_size'],_world()
-        if saved != now and _rank() == 0: print(linked(f"ResumeCheckpoint: the checkpoint was saved by {saved} process(es), and "
-            f"this run has {now}: " + (f"processes {saved} to {now-1} take process 0's random and shuffle states" if now > saved
-            else f"the states of processes {now} to {saved-1} are not used"), 'resume-process'))
+        if saved != now and _rank() == 0:
+            which = (f"processes {saved} to {now-1} take process 0's random and shuffle states" if now > saved
+                     else f"the states of processes {now} to {saved-1} are not used")
+            print(linked(f"ResumeCheckpoint: the checkpoint was saved by {saved} process(es), and this run has {now}: "
+                         f"{which}", 'resume-process'))
         self.learn.add_cb(_SkipDone(self.start)) # fastai's `start_epoch`: skipped after every callback's `before_epoch`
 
     def _plan(self, k:int, record:dict)->tuple:
-        "Rank 0's decision: ('fresh', a line or None), ('resume', (folder, metadata, note)) or ('error', the exception every process raises)"
+        "Rank 0's decision: ('fresh', a line or None), ('resume', (folder, metadata, note)) or ('error', the exception)"
         folder = self.folder
         for t in _leftovers(folder): shutil.rmtree(t, ignore_errors=True) # a save on this host whose process died
         cks = checkpoints(folder)
@@ -440,31 +462,32 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
             if k > 0 or not cks: return 'fresh',None
             aside = folder.with_name(f"{self.fname}.{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
             folder.rename(aside)
-            return 'fresh',(f"ResumeCheckpoint: resume=False: this run starts anew; the checkpoints in {folder} were moved to "
-                            f"{aside}")
+            return 'fresh',(f"ResumeCheckpoint: resume=False: this run starts anew; the checkpoints in {folder} were "
+                            f"moved to {aside}")
         old = folder.with_name(f'{self.fname}.pth')
         if not cks:
-            if old.is_file(): return 'error',CheckpointError(linked(f"Cannot resume from {old}: it is a checkpoint of an earlier "
-                "version of fastxtend_accum (one pickled file), which this version does not read: unpickling can run code. Remove "
-                "it (or pass resume=False) to train from the start", 'resume-pickle'))
+            if old.is_file(): return 'error',CheckpointError(linked(f"Cannot resume from {old}: it is a checkpoint of "
+                "an earlier version of fastxtend_accum (one pickled file), which this version does not read: "
+                "unpickling can run code. Remove it (or pass resume=False) to train from the start", 'resume-pickle'))
             return 'fresh',None
         last = cks[-1]
         try: meta = read_meta(last)
         except CheckpointError as e: return 'error',e
         if self.run_id is not None and meta['run_id'] != self.run_id:
-            return 'error',ValueError(linked(f"{last} holds run {meta['run_id']!r}, and this is run {self.run_id!r}. Pass another "
-                                  "fname, or resume=False to start fresh", 'resume'))
-        if meta['fit'] < k: return 'fresh',None # a fit after the checkpoint's (one session, several fits): it starts anew
+            return 'error',ValueError(linked(f"{last} holds run {meta['run_id']!r}, and this is run {self.run_id!r}. "
+                                             "Pass another fname, or resume=False to start fresh", 'resume'))
+        if meta['fit'] < k: return 'fresh',None # a fit after the checkpoint's (a session's next fit): it starts anew
         diffs = record_differences(meta['fits'][k], record, self.ignore)
-        if diffs: return 'error',ValueError(linked(f"{last} was saved by another run than this fit (fit {k} of its session): "
-            f"{'; '.join(diffs)}. Resume with the same settings, pass resume=False to start fresh, or ignore=(<the keys>,) to resume "
-            "anyway", 'resume'))
+        if diffs: return 'error',ValueError(linked(f"{last} was saved by another run than this fit (fit {k} of its "
+            f"session): {'; '.join(diffs)}. Resume with the same settings, pass resume=False to start fresh, or "
+            "ignore=(<the keys>,) to resume anyway", 'resume'))
         note = ''
         if meta['identity'] != self.identity:
-            if self.resume != True: return 'error',ValueError(linked(f"{last} holds another run: the model's weights when its first "
-                f"fit started differ from this run's (weights digest {meta['identity'][:12]} in the checkpoint, {self.identity[:12]} "
-                "now: another seed, or a model built otherwise). Pass resume=False to start fresh (the folder's checkpoints are moved "
-                "aside), or resume=True to resume that run anyway", 'resume-identity'))
+            if self.resume != True: return 'error',ValueError(linked(f"{last} holds another run: the model's weights "
+                f"when its first fit started differ from this run's (weights digest {meta['identity'][:12]} in the "
+                f"checkpoint, {self.identity[:12]} now: another seed, or a model built otherwise). Pass resume=False "
+                "to start fresh (the folder's checkpoints are moved aside), or resume=True to resume that run anyway",
+                'resume-identity'))
             note = "; resume=True: that run started from other weights than this one"
         return 'resume',(str(last), meta, note)
 
@@ -472,11 +495,12 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         "The resumed epoch: restore what other callbacks set up in their `before_fit` (a `GradScaler`, the Recorder)"
         if self.pending is None or self.epoch != self.start: return
         (st,rec),self.pending = self.pending,None
-        if 'scaler' in st and getattr(self.learn, 'scaler', None) is not None: self.learn.scaler.load_state_dict(st['scaler'])
+        if 'scaler' in st and getattr(self.learn, 'scaler', None) is not None:
+            self.learn.scaler.load_state_dict(st['scaler'])
         restore_recorder(self.learn, rec)
 
     def after_fit(self):
-        "The fit is done (ended, or cancelled: fastai's `after_fit`): the next one is a new fit. Take the epoch-skipping callback off again"
+        "The fit is done (ended, or cancelled): the next one is a new fit. Take the epoch-skipping callback off again"
         if not self.skip: self.i_fit += 1
         self._remove_skip()
     def _remove_skip(self): self.learn.remove_cbs([cb for cb in self.learn.cbs if isinstance(cb, _SkipDone)])
@@ -487,7 +511,7 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         self.save()
 
     def save(self):
-        "Write this point of the run as a new checkpoint folder (collective: each process writes its own state, rank 0 the metadata)"
+        "Write this point of the run as a new checkpoint folder (collective: each process its state, rank 0 metadata)"
         name,rank = f'fit-{self.i_fit}-step-{self.train_iter}',_rank()
         final,tmp,err = self.folder/name,None,None
         if rank == 0:
@@ -498,9 +522,9 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         tmp,err = _bcast((tmp, err))
         def fail(errs):
             if rank == 0 and tmp is not None: shutil.rmtree(tmp, ignore_errors=True)
-            raise raised_everywhere(CheckpointError(linked(f"Could not write the checkpoint {final}: " + '; '.join(
-                (f'process {r}: ' if len(errs) > 1 or r else '') + e for r,e in errs) + ". The previous checkpoint, if any, is kept",
-                'resume')))
+            why = '; '.join((f'process {r}: ' if len(errs) > 1 or r else '') + e for r,e in errs)
+            raise raised_everywhere(CheckpointError(linked(f"Could not write the checkpoint {final}: {why}. The "
+                                                           "previous checkpoint, if any, is kept", 'resume')))
         if err: fail([(0, err)])
         tmp,err = Path(tmp),None
         try:
@@ -516,20 +540,21 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         if err: fail([(0, err)])
 
     def _publish(self, tmp:Path, final:Path):
-        "Rank 0: write the metadata (each file's sha256 and size), then rename the folder into place, fsynced; keep the newest `keep`"
+        "Rank 0: the metadata (each file's sha256 and size), the folder renamed into place and fsynced; old ones pruned"
         files = {str(p.relative_to(tmp)): file_digest(p) for p in sorted(tmp.rglob('*')) if p.is_file()}
-        meta = dict(format=FORMAT, run_id=self.run_id, identity=self.identity, fit=self.i_fit, fits=self.records, epoch=self.epoch,
-                    n_epoch=self.n_epoch, train_iter=self.train_iter, world_size=_world(), sharded=_is_sharded(self.model),
-                    versions=dict(self.records[-1]['versions'], torch=torch.__version__), recorder=recorder_state(self.learn),
-                    time=time.time(), files=files)
+        meta = dict(format=FORMAT, run_id=self.run_id, identity=self.identity, fit=self.i_fit, fits=self.records,
+                    epoch=self.epoch, n_epoch=self.n_epoch, train_iter=self.train_iter, world_size=_world(),
+                    sharded=_is_sharded(self.model), recorder=recorder_state(self.learn), time=time.time(), files=files,
+                    versions=dict(self.records[-1]['versions'], torch=torch.__version__))
         meta['sha256'] = _meta_sha(meta)
         with open(_open_new(tmp/META), 'w') as f: json.dump(meta, f, indent=1); f.flush(); os.fsync(f.fileno())
         _fsync_dir(tmp)
-        prev = checkpoints(self.folder)
-        os.chmod(tmp, stat.S_IMODE(prev[-1].stat().st_mode) if prev else 0o777 & ~_UMASK) # a checkpoint's permissions are kept
+        prev = checkpoints(self.folder) # a checkpoint's permissions are kept
+        os.chmod(tmp, stat.S_IMODE(prev[-1].stat().st_mode) if prev else 0o777 & ~_UMASK)
         aside = None
         if final.exists(): # the same step saved before (a fit run again): replaced whole
-            aside = Path(tempfile.mkdtemp(prefix=f'.{final.name}.{_host()}-{os.getpid()}.', suffix='.tmp', dir=self.folder))
+            aside = Path(tempfile.mkdtemp(prefix=f'.{final.name}.{_host()}-{os.getpid()}.', suffix='.tmp',
+                                          dir=self.folder))
             os.replace(final, aside)
         os.rename(tmp, final)
         _fsync_dir(self.folder)

@@ -3,8 +3,8 @@
 `python -m torch.distributed.run --nproc_per_node=2 --max_restarts=1 tests/resume_kill_worker.py OUT TAG PHASE`.
 The script: digits (1,000 samples, fastai's default loaders seeded), a float64 MLP with a dropout layer, Adam,
 `GradientAccumulation(64, global_bs=True)`, micro-batches of 8, `fit_one_cycle(4)`, `ResumeCheckpoint('run')` in
-`OUT/TAG`. PHASE `whole`: uninterrupted; `kill`: process 1 kills itself (SIGKILL) at micro-batch 3 of epoch 2 in the first
-attempt, and torchrun starts both processes again (the same script: the callback finds the checkpoint of epoch 1).
+`OUT/TAG`. PHASE `whole`: uninterrupted; `kill`: process 1 kills itself (SIGKILL) at micro-batch 3 of epoch 2 in the
+first attempt, and torchrun starts both processes again (the same script: the callback finds the checkpoint of epoch 1).
 Each process writes `OUT/TAG-rank<r>.pt` at the end: its parameters, each step's lr, the attempt it finished in."""
 import os, signal, sys
 import torch, torch.nn as nn, torch.distributed as dist

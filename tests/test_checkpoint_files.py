@@ -1,8 +1,9 @@
-"""`ResumeCheckpoint`'s checkpoint is data (issue 47): a folder per checkpoint, its metadata in JSON with the sha256 and size
-of every other file, tensors in files `torch.load(weights_only=True)` reads; each file's bytes checked before it is read,
-so a file whose unpickling would run code is refused without running it. Only the same run resumes (the run's record and
-its first weights); the folder's hygiene: unique temporary names created exclusively, only a dead process's leftovers
-removed, `fname` used literally, permissions kept, the folder fsynced after the rename, the newest `keep` kept."""
+"""`ResumeCheckpoint`'s checkpoint is data (issue 47): a folder per checkpoint, its metadata in JSON with the sha256 and
+size of every other file, tensors in files `torch.load(weights_only=True)` reads; each file's bytes checked before it is
+read, so a file whose unpickling would run code is refused without running it. Only the same run resumes (the run's
+record and its first weights); the folder's hygiene: unique temporary names created exclusively, only a dead process's
+leftovers removed, `fname` used literally, permissions kept, the folder fsynced after the rename, the newest `keep`
+kept."""
 import io, json, os, socket, subprocess, sys
 import pytest, torch
 from fastai.basics import Learner, nn, Callback
@@ -12,8 +13,8 @@ from fastxtend_accum.resume import ResumeCheckpoint, CheckpointError, read_meta,
 from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss, max_param_diff
 
 def learner(path, seed=0, n_hidden=32, **kw):
-    return Learner(digits_default_dls(256), digits_mlp(n_hidden=n_hidden, seed=seed), loss_func=nn.CrossEntropyLoss(), path=path,
-                   cbs=[Float64SmoothLoss(), ResumeCheckpoint(**kw)])
+    return Learner(digits_default_dls(256), digits_mlp(n_hidden=n_hidden, seed=seed), loss_func=nn.CrossEntropyLoss(),
+                   path=path, cbs=[Float64SmoothLoss(), ResumeCheckpoint(**kw)])
 
 def fit(learn, n=2, **kw):
     with learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(n, 1e-2, **kw)
@@ -31,9 +32,10 @@ def test_the_checkpoint_is_data(tmp_path):
     ck = only(tmp_path/'models'/'run')
     names = sorted(p.name for p in ck.iterdir())
     print(ck.name, names)
-    assert ck.name == f'fit-0-step-{learn.train_iter}' and names == ['checkpoint.json', 'model.pt', 'optimizer.pt', 'process-0.pt']
+    assert ck.name == f'fit-0-step-{learn.train_iter}'
+    assert names == ['checkpoint.json', 'model.pt', 'optimizer.pt', 'process-0.pt']
     meta = json.loads((ck/'checkpoint.json').read_text())
-    assert meta['format'] == R.FORMAT and meta['epoch'] == 1 and meta['world_size'] == 1 and meta['train_iter'] == learn.train_iter
+    assert (meta['format'],meta['epoch'],meta['world_size'],meta['train_iter']) == (R.FORMAT, 1, 1, learn.train_iter)
     assert sorted(meta['files']) == names[1:] and all(file_digest(ck/n) == meta['files'][n] for n in names[1:])
     assert len(meta['recorder']['losses']) == len(learn.recorder.losses) and meta['recorder']['values'][-1][0] > 0
     for n in names[1:]: torch.load(ck/n, weights_only=True) # tensors and plain values only
@@ -49,7 +51,8 @@ def _rewrite_meta(ck, name):
     meta['sha256'] = R._meta_sha(meta)
     (ck/'checkpoint.json').write_text(json.dumps(meta))
 
-@pytest.mark.parametrize('where', ['old_file', 'model.pt', 'model.pt rehashed', 'process-0.pt rehashed', 'optimizer.pt rehashed'])
+@pytest.mark.parametrize('where', ['old_file', 'model.pt', 'model.pt rehashed', 'process-0.pt rehashed',
+                                   'optimizer.pt rehashed'])
 def test_a_pickle_that_runs_code_is_refused_unrun(tmp_path, where):
     "Where the callback reads: the default `models/checkpoint.pth` of an earlier version, or a file of the folder"
     marker = tmp_path/'ran'
@@ -69,7 +72,8 @@ def test_a_pickle_that_runs_code_is_refused_unrun(tmp_path, where):
     print(f'{where}: {msg[:400]}')
     assert not marker.exists() and str(bad) in msg
     says = {'old_file': 'earlier version of fastxtend_accum (one pickled file), which this version does not read',
-            'model.pt': 'written)'}.get(where, 'was not unpickled (it names io.open, a global that no tensor file needs)') # model.pt: its size is not the one written
+            'model.pt': 'written)', # its size is not the one written
+           }.get(where, 'was not unpickled (it names io.open, a global that no tensor file needs)')
     assert says in msg
     assert torch.load(bad, weights_only=False) and marker.exists() # the test has teeth: unpickled, it runs
 
@@ -97,7 +101,8 @@ def test_reads_name_the_file_and_the_cause(tmp_path):
     fails('checkpoint.json', m[:len(m)//2], 'it is not JSON: truncated or corrupted')
     fails('checkpoint.json', b'', 'it is empty (0 bytes): truncated')
     fails('checkpoint.json', m.replace(b'"format": 3', b'"format": 2'), 'it is in checkpoint format 2')
-    fails('checkpoint.json', m.replace(b'"epoch": 1', b'"epoch": 0'), 'it is corrupted: its contents do not match the checksum')
+    fails('checkpoint.json', m.replace(b'"epoch": 1', b'"epoch": 0'),
+          'it is corrupted: its contents do not match the checksum')
     for n,b in saved.items(): (ck/n).write_bytes(b)
     (ck/'process-0.pt').unlink()
     with pytest.raises(CheckpointError, match='process-0.pt: it is missing'): fit(learner(tmp_path))
@@ -105,7 +110,7 @@ def test_reads_name_the_file_and_the_cause(tmp_path):
 # ---- only the same run resumes
 
 def test_another_seed_never_resumes_silently(tmp_path):
-    "Issue 47's case 2: run A (seed 0) then run B (seed 1) in the same folder: B stops before training, or trains its own run"
+    "Issue 47's case 2: run A (seed 0), then run B (seed 1) in the same folder: B stops before training, or trains anew"
     a = fit(learner(tmp_path))
     b_alone = fit(learner(tmp_path/'alone', seed=1))
     b = learner(tmp_path, seed=1)
@@ -115,7 +120,7 @@ def test_another_seed_never_resumes_silently(tmp_path):
     print(msg)
     assert str(only(tmp_path/'models'/'checkpoint')) in msg and 'holds another run' in msg and 'weights digest' in msg
     assert 'resume=False' in msg and 'resume=True' in msg
-    assert max(float((p.detach()-q).abs().max()) for p,q in zip(b.model.parameters(), first)) == 0 # not trained, not A's
+    assert all(torch.equal(p.detach(), q) for p,q in zip(b.model.parameters(), first)) # not trained, not A's
     fresh = fit(learner(tmp_path, seed=1, resume=False)) # B trains its own run; A's checkpoints moved aside
     d_own,d_a = max_param_diff(fresh, b_alone),max_param_diff(fresh, a)
     print(f'run B with resume=False: {d_own:.2g} from B alone, {d_a:.3g} from A')
@@ -124,14 +129,17 @@ def test_another_seed_never_resumes_silently(tmp_path):
     assert len(moved) == 1 and R.checkpoints(moved[0])
     again = fit(learner(tmp_path, seed=1)) # B run again: its own checkpoint, completed: resumes it (no step)
     assert max_param_diff(again, b_alone) == 0
-    anyway = fit(learner(tmp_path, seed=0, resume=True)) # A's script with resume=True on B's folder: B's weights, as asked
+    anyway = fit(learner(tmp_path, seed=0, resume=True)) # A's script, resume=True, on B's folder: B's weights, as asked
     assert max_param_diff(anyway, b_alone) == 0
 
 def test_a_changed_model_or_lr_is_refused(tmp_path):
     fit(learner(tmp_path))
     with pytest.raises(ValueError) as e: fit(learner(tmp_path, n_hidden=33))
     print(str(e.value)[:400])
-    assert 'was saved by another run than this fit' in str(e.value) and 'model: Sequential, 4 tensors, 2410 values, repr sha256' in str(e.value) and '2485 values' in str(e.value)
+    msg = str(e.value)
+    assert 'was saved by another run than this fit' in msg
+    assert 'model: Sequential, 4 tensors, 2410 values, repr sha256' in msg
+    assert '2485 values' in msg
     with pytest.raises(ValueError, match='lr'):
         with (l := learner(tmp_path)).no_logging(), l.no_bar(): l.fit_one_cycle(2, 3e-2)
 
@@ -145,13 +153,14 @@ def test_the_folder_name_is_literal_and_only_a_dead_runs_leftovers_go(tmp_path):
     dead = subprocess.Popen([sys.executable, '-c', 'pass']); dead.wait()
     live = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])
     host = socket.gethostname().replace('.', '_')[:40]
-    left = {n: models/'run[1]*'/f'.fit-0-step-6.{n}.abc123.tmp' for n in (f'{host}-{dead.pid}', f'{host}-{live.pid}', 'otherhost-1')}
+    owners = (f'{host}-{dead.pid}', f'{host}-{live.pid}', 'otherhost-1')
+    left = {n: models/'run[1]*'/f'.fit-0-step-6.{n}.abc123.tmp' for n in owners}
     try:
         for p in left.values(): p.mkdir(); (p/'model.pt').write_bytes(b'half')
         fit(learner(tmp_path, fname='run[1]*'), n=1)
         remain = sorted(p.name for p in (models/'run[1]*').iterdir())
         print(remain)
-        assert not left[f'{host}-{dead.pid}'].exists() and left[f'{host}-{live.pid}'].exists() and left['otherhost-1'].exists()
+        assert [left[n].exists() for n in owners] == [False, True, True] # only the dead process's goes
         assert keep.exists() and len(R.checkpoints(models/'run[1]*')) == 1
     finally: live.kill(); live.wait()
     with pytest.raises(ValueError, match="fname must be a folder's name"): ResumeCheckpoint('a/b')

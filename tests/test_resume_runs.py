@@ -84,14 +84,16 @@ def intact(folder, n=1):
     return meta
 
 def test_writes_name_the_file_and_the_os_cause(tmp_path, monkeypatch):
-    "ENOSPC (the new file is /dev/full) and EFBIG (a file-size limit, in a child process): named, the previous checkpoint kept"
+    "ENOSPC (the new file is /dev/full) and EFBIG (a file-size limit, in a child process): named, the previous one kept"
     learn = fit1(small_learner(tmp_path))
     folder = tmp_path/'models'/'run'
     new = R._open_new
-    monkeypatch.setattr(R, '_open_new', lambda p: os.open('/dev/full', os.O_WRONLY) if p.name == 'process-0.pt' else new(p))
+    full = lambda p: os.open('/dev/full', os.O_WRONLY) if p.name == 'process-0.pt' else new(p)
+    monkeypatch.setattr(R, '_open_new', full)
     with pytest.raises(CheckpointError) as e: fit1(learn) # a second fit: it trains, and its save fails
     print(e.value)
-    assert f"Could not write the checkpoint {folder}/fit-1-step-" in str(e.value) and 'No space left on device (ENOSPC)' in str(e.value)
+    assert f"Could not write the checkpoint {folder}/fit-1-step-" in str(e.value)
+    assert 'No space left on device (ENOSPC)' in str(e.value)
     assert intact(folder)['fit'] == 0
     monkeypatch.undo()
     fd = os.open('/dev/full', os.O_WRONLY) # atomic_save, for one file: the same, through its temporary file
@@ -100,13 +102,15 @@ def test_writes_name_the_file_and_the_os_cause(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError) as e: atomic_save({'w': torch.zeros(100000)}, tmp_path/'ck.pth')
     assert 'No space left on device (ENOSPC)' in str(e.value) and not (tmp_path/'.ck.pth.planted.tmp').exists()
     monkeypatch.undo()
-    code = ("import resource, signal, sys; sys.path.insert(0, sys.argv[2]); from test_resume_runs import small_learner, fit1; "
-            "from pathlib import Path; learn = fit1(small_learner(Path(sys.argv[1]), 2000)); signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (500000, 500000)); fit1(learn)") # a model of 1.2 MB
+    code = ("import resource, signal, sys; sys.path.insert(0, sys.argv[2]); from test_resume_runs import small_learner, "
+            "fit1; from pathlib import Path; learn = fit1(small_learner(Path(sys.argv[1]), 2000)); "
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (500000, 500000)); fit1(learn)") # a model of 1.2 MB
     folder = tmp_path/'big'/'models'/'run'
-    p = subprocess.run([sys.executable, '-c', code, str(tmp_path/'big'), HERE], capture_output=True, text=True, timeout=120, env=ENV)
+    p = subprocess.run([sys.executable, '-c', code, str(tmp_path/'big'), HERE], capture_output=True, text=True, timeout=120,
+                       env=ENV)
     print(p.stderr.splitlines()[-1])
-    assert p.returncode != 0 and f'Could not write the checkpoint {folder}/fit-1-step-' in p.stderr and 'File too large (EFBIG)' in p.stderr
+    assert p.returncode != 0 and f'Could not write the checkpoint {folder}/fit-1-step-' in p.stderr
+    assert 'File too large (EFBIG)' in p.stderr
     assert intact(folder)['fit'] == 0 # the first fit's, kept
 
 def test_a_killed_writes_temporary_folder_goes_at_the_next_start(tmp_path):
