@@ -12,12 +12,13 @@ from test_distributed import free_port, ENV, HERE
 WORKER = os.path.join(HERE, 'resume_kill_worker.py')
 TIMEOUT = 300
 
-def launch(out, tag, phase):
+def launch(out, tag, phase, ok=True):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max_restarts=1',
            '--monitor_interval=0.5', '--master_addr=127.0.0.1', f'--master_port={free_port()}', WORKER, str(out), tag,
            phase]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=os.path.dirname(HERE),
                        env=dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1'))
+    if not ok: return p
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return [torch.load(out/f'{tag}-rank{r}.pt') for r in range(2)],p.stdout
 
@@ -35,7 +36,15 @@ def test_a_killed_process_with_its_own_stream_resumes_exact(tmp_path):
     assert [e for e,_ in killed[0]['lrs']] == [2]*15 + [3]*15 and lr < 1e-12
     assert max(diffs) < 1e-8
     other = max(float((p-q).abs().max()) for p,q in zip(whole[0]['params'], whole[1]['params']))
-    assert other == 0 # DDP: both processes hold the same weights; their dropout masks differ (the next test's teeth)
+    assert other == 0 # DDP: both processes hold the same weights
+    # process 1's own file corrupted: both processes stop before training, naming process 1 and the file (no hang)
+    from fastxtend_accum.resume import checkpoints
+    bad = checkpoints(tmp_path/'whole'/'models'/'run')[-1]/'process-1.pt'
+    data = bytearray(bad.read_bytes()); data[-100] ^= 1; bad.write_bytes(bytes(data))
+    p = launch(tmp_path, 'whole', 'whole', ok=False)
+    says = f'process 1: Cannot resume from {bad}: it is corrupted: its bytes do not match the sha256'
+    print(says in p.stderr, p.stderr.count(says))
+    assert p.returncode != 0 and p.stderr.count(says) >= 2 # raised by both processes
 
 class CPUScaler(Callback):
     "fastai's `MixedPrecision` on the CPU: bfloat16 autocast, and a `GradScaler('cpu')` kept as `learn.scaler`"
