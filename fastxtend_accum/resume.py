@@ -82,7 +82,8 @@ def atomic_save(obj, # What torch.save writes
     finally:
         if tmp is not None: tmp.unlink(missing_ok=True)
 
-def file_digest(path:Path|str)->dict:
+def file_digest(path:Path|str, # A file
+               )->dict:
     "The sha256 and size of the file's bytes, read in chunks"
     h,n = hashlib.sha256(),0
     with open(path, 'rb') as f:
@@ -133,7 +134,7 @@ def check_file(folder:Path|str, # A checkpoint folder
 def load_file(folder:Path|str, # A checkpoint folder
               name:str, # One of its tensor files
               meta:dict, # Its metadata (read_meta)
-              mmap:bool=True, # Map the file rather than read it: the tensors' pages are read where they are used
+              mmap:bool=True, # Map the file: the tensors' pages are read where they are used
              ):
     "`torch.load(weights_only=True)` of a checkpoint's file, after `check_file`: tensors and plain values, nothing runs"
     path = check_file(folder, name, meta)
@@ -241,11 +242,15 @@ class _SkipDone(SkipToEpoch):
 # %% ../nbs/resume.ipynb #e3b5293c
 def _is_sharded(model:nn.Module)->bool: return sharding_engine(model) is not None
 
-def opt_state(opt)->dict:
+def opt_state(opt, # learn.opt: fastai's Optimizer or OptimWrapper
+             )->dict:
     "The optimizer's state as data: fastai's `Optimizer` (its hypers as plain floats) or `OptimWrapper`"
     return _data(opt.state_dict())
 
-def load_opt_state(opt, sd:dict, device=None):
+def load_opt_state(opt, # learn.opt
+                   sd:dict, # What opt_state returned
+                   device=None, # Where the state's tensors go (None: copied where they are)
+                  ):
     "Load `opt_state`'s `sd` into `opt` (tensors copied to `device`: a mapped file's pages are not kept)"
     sd = to_device(apply(lambda t: t.clone(), sd) if device is None else sd, device)
     if isinstance(opt, Optimizer): sd = dict(sd, hypers=L(sd['hypers']), state=list(sd['state']))
@@ -280,7 +285,8 @@ def load_weights(folder:Path, # A checkpoint folder, its files checked against..
         load_opt_state(opt, load_file(folder, 'optimizer.pt', meta), next(model.parameters()).device)
 
 # %% ../nbs/resume.ipynb #3fe1da90
-def process_state(learn:Learner)->dict:
+def process_state(learn:Learner, # The Learner whose loader's shuffle (and scaler) to save
+                 )->dict:
     "This process's state: Python's, NumPy's, torch's CPU and CUDA random streams, the loader's shuffle, a `GradScaler`"
     name,keys,pos,has_gauss,gauss = np.random.get_state()
     st = dict(python=random.getstate(),
@@ -291,7 +297,10 @@ def process_state(learn:Learner)->dict:
     if scaler is not None and hasattr(scaler, 'state_dict'): st['scaler'] = _data(scaler.state_dict())
     return st
 
-def restore_process_state(learn:Learner, st:dict, scaler:bool=True):
+def restore_process_state(learn:Learner, # The Learner whose loader's shuffle (and scaler) to restore
+                          st:dict, # What process_state returned
+                          scaler:bool=True, # Restore learn.scaler's state too
+                         ):
     "Restore `process_state`'s `st` on this process (the scaler's too, when `scaler` and the Learner has one)"
     random.setstate(st['python'])
     name,keys,pos,has_gauss,gauss = st['numpy']
@@ -307,7 +316,8 @@ def _num(v)->float|list:
     if isinstance(v, (list, tuple, L)): return [_num(o) for o in v]
     return None if v is None else float(v)
 
-def recorder_state(learn:Learner)->dict|None:
+def recorder_state(learn:Learner, # The Learner whose Recorder to save
+                  )->dict|None:
     "fastai's Recorder as plain values: its per-step lrs, iters and losses, per-epoch values and the smoothed loss"
     r = getattr(learn, 'recorder', None)
     if r is None or not hasattr(r, 'losses'): return None
@@ -316,7 +326,9 @@ def recorder_state(learn:Learner)->dict|None:
                 smooth=dict(count=int(sm.count), val=_num(sm.val),
                             dtype=str(getattr(sm.val, 'dtype', 'torch.float32'))[6:]))
 
-def restore_recorder(learn:Learner, st:dict|None):
+def restore_recorder(learn:Learner, # The Learner whose Recorder to restore
+                     st:dict|None, # What recorder_state returned
+                    ):
     "Restore `recorder_state`'s `st`: the resumed fit's Recorder holds the whole fit"
     r = getattr(learn, 'recorder', None)
     if st is None or r is None or not hasattr(r, 'losses'): return
@@ -389,9 +401,9 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
     "Save a checkpoint folder after every epoch, each process its own state; the same run started again continues"
     order = TrainEvalCallback.order+1 # before_fit: before the engine wraps the model (fastai's DistributedTrainer, 11)
     def __init__(self,
-        fname:str='checkpoint', # Folder in learn.path/learn.model_dir holding the checkpoints (a name, used literally)
-        resume:bool|str='auto', # 'auto': the same run only; True: also from other first weights; False: start fresh
-        run_id:str|None=None, # The run's name, saved in the checkpoint: another run's checkpoint is refused
+        fname:str='checkpoint', # Folder in learn.path/learn.model_dir (a name, used literally)
+        resume:bool|str='auto', # 'auto': the same run; True: even another's weights; False: anew
+        run_id:str|None=None, # The run's name, saved: another run's checkpoint is refused
         ignore:tuple=(), # Keys of run_record not compared on resume (e.g. 'versions')
         keep:int=1, # Checkpoints kept in the folder: the newest
     ):
