@@ -37,6 +37,7 @@ def worker(out:str, phase:str):
     with learn.distrib_ctx(cpu=True), learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(2, 1e-4)
     n = sum(p.numel() for p in model.parameters())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024
+    Path(out).mkdir(parents=True, exist_ok=True) # the earlier version wrote on rank 0 only: rank 1 can be here first
     with open(Path(out)/f'{phase}-rank{dist.get_rank()}.json', 'w') as f: json.dump(dict(params=n, rss_mb=rss), f)
     dist.barrier(); dist.destroy_process_group()
     W.exit_worker()
