@@ -558,6 +558,7 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
                     epoch=self.epoch, n_epoch=self.n_epoch, train_iter=self.train_iter, world_size=_world(),
                     sharded=_is_sharded(self.model), recorder=recorder_state(self.learn), time=time.time(), files=files,
                     versions=dict(self.records[-1]['versions'], torch=torch.__version__))
+        meta = json.loads(json.dumps(meta)) # as a reader sees it (tuples as lists, keys as strings), then its checksum
         meta['sha256'] = _meta_sha(meta)
         with open(_open_new(tmp/META), 'w') as f: json.dump(meta, f, indent=1); f.flush(); os.fsync(f.fileno())
         _fsync_dir(tmp)
