@@ -4,11 +4,11 @@
 
 # %% ../nbs/resume.ipynb #5e887fa9
 from __future__ import annotations
-import errno, hashlib, io, os, pickle, random, zipfile
 import numpy as np
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from fastai.basics import *
+import errno, hashlib, json, os, random, re, shutil, socket, stat, tempfile, time
 from fastai.learner import SkipToEpoch
 import fastai
 from . import __version__
@@ -18,97 +18,156 @@ from .window import raised_everywhere
 from .export import LeftOutOfExport
 
 # %% auto #0
-__all__ = ['FORMAT', 'CheckpointError', 'atomic_save', 'save_checkpoint', 'read_checkpoint', 'run_record', 'record_differences',
-           'ResumeCheckpoint']
+__all__ = ['FORMAT', 'META', 'CheckpointError', 'atomic_save', 'file_digest', 'read_meta', 'check_file', 'load_file',
+           'run_record', 'record_differences', 'opt_state', 'load_opt_state', 'save_weights', 'load_weights',
+           'process_state', 'restore_process_state', 'recorder_state', 'restore_recorder', 'checkpoints',
+           'weights_digest', 'ResumeCheckpoint']
 
 # %% ../nbs/resume.ipynb #e34ea678
-FORMAT = 2 # the checkpoint layout this version writes and reads (1: before checkpoints recorded their run)
+FORMAT = 3 # the layout this version writes and reads (2: one pickled file; 1: before checkpoints recorded their run)
+META = 'checkpoint.json' # the metadata file of a checkpoint folder: plain JSON
+_UMASK = os.umask(0); os.umask(_UMASK) # read once, at import: the mode a new checkpoint folder gets
 
 class CheckpointError(RuntimeError):
     "A checkpoint that cannot be written or read: the message names the file and the cause"
-
-def _tmp_files(path:Path)->list[Path]: return list(path.parent.glob(f'.{path.name}.*.tmp'))
 
 def _chain(e:BaseException):
     "`e`, then the exceptions it was raised from or while handling"
     while e is not None: yield e; e = e.__cause__ or e.__context__
 
+def _why(e:BaseException)->str:
+    "The OS's cause of `e` (`No space left on device (ENOSPC)`), if it has one, else its type and message"
+    os_err = next((c for c in _chain(e) if isinstance(c, OSError) and c.errno), None)
+    return (f"{os_err.strerror} ({errno.errorcode.get(os_err.errno, os_err.errno)})" if os_err is not None
+            else f"{type(e).__name__}: {e}")
+
+def _fsync_dir(d:Path):
+    "Make a rename in `d` durable"
+    fd = os.open(d, os.O_RDONLY|os.O_DIRECTORY)
+    try: os.fsync(fd)
+    finally: os.close(fd)
+
+def _open_new(path:Path)->int:
+    "A descriptor of a new file `path`, created exclusively: a file or symlink there is an error, never followed"
+    return os.open(path, os.O_WRONLY|os.O_CREAT|os.O_EXCL|getattr(os, 'O_NOFOLLOW', 0), 0o666)
+
+def _new_tmp(path:Path)->tuple:
+    "A new temporary file beside `path`: a unique name, created exclusively (`tempfile.mkstemp`), as (descriptor, path)"
+    fd,name = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
+    return fd,Path(name)
+
+def _write_fd(fd:int, obj):
+    "`torch.save(obj)` into the open file `fd` (a Python file: the OS error reaches us), flushed to disk"
+    with open(fd, 'wb') as f:
+        torch.save(obj, f)
+        f.flush(); os.fsync(f.fileno())
+
 def atomic_save(obj, # What torch.save writes
                 path:Path|str, # Where
                ):
-    "`torch.save(obj, path)` through a temporary file beside `path` and `os.replace`: a crash mid-save leaves the previous file whole; a failed write names the file and the OS cause"
+    "`torch.save(obj, path)` through a new temporary file, `os.replace`, the folder fsynced, the permissions kept"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
+    tmp = None
     try:
-        with open(tmp, 'wb') as f: # a Python file: the OS error (ENOSPC, EFBIG) reaches us, not torch's "unexpected pos"
-            torch.save(obj, f)
-            f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, path)
+        fd,tmp = _new_tmp(path)
+        mode = path.stat().st_mode if path.exists() else 0o666 & ~_UMASK
+        os.chmod(fd, stat.S_IMODE(mode))
+        _write_fd(fd, obj)
+        os.replace(tmp, path); tmp = None
+        _fsync_dir(path.parent)
     except Exception as e: # torch's writer can fail at its end too: the OS error is then the one it was handling
-        os_err = next((c for c in _chain(e) if isinstance(c, OSError) and c.errno), None)
-        why = (f"{os_err.strerror} ({errno.errorcode.get(os_err.errno, os_err.errno)})" if os_err is not None
-               else f"{type(e).__name__}: {e}")
-        raise CheckpointError(linked(f"Could not write the checkpoint {path}: {why}. The previous checkpoint, if any, is kept", 'resume')) from e
+        raise CheckpointError(linked(f"Could not write the checkpoint {path}: {_why(e)}. The previous checkpoint, if "
+                                     "any, is kept", 'resume')) from e
     finally:
-        if tmp.exists(): tmp.unlink()
+        if tmp is not None: tmp.unlink(missing_ok=True)
 
-def _digest(obj, h=None)->str:
-    "sha256 of a checkpoint's contents: every tensor's dtype, shape and bytes, and every other value's pickle, in order"
-    top = h is None
-    if top: h = hashlib.sha256()
-    if isinstance(obj, dict):
-        for k in obj: h.update(repr(k).encode()); _digest(obj[k], h)
-    elif isinstance(obj, (list, tuple)):
-        h.update(f'{type(obj).__name__}{len(obj)}'.encode())
-        for o in obj: _digest(o, h)
-    elif isinstance(obj, Tensor):
-        t = obj.detach().cpu().contiguous()
-        h.update(f'{t.dtype}{tuple(t.shape)}'.encode()); h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(obj, np.ndarray): h.update(f'{obj.dtype}{obj.shape}'.encode()); h.update(np.ascontiguousarray(obj).tobytes())
-    else: h.update(pickle.dumps(obj, protocol=4))
-    return h.hexdigest() if top else None
+def file_digest(path:Path|str, # A file
+               )->dict:
+    "The sha256 and size of the file's bytes, read in chunks"
+    h,n = hashlib.sha256(),0
+    with open(path, 'rb') as f:
+        while b := f.read(1 << 20): h.update(b); n += len(b)
+    return dict(sha256=h.hexdigest(), size=n)
 
-def save_checkpoint(ck:dict, # The checkpoint: its sha256 is added
-                    path:Path|str, # Where
-                   ):
-    "Write `ck` with the checksum of its contents (`atomic_save`)"
-    atomic_save(dict(ck, sha256=_digest(ck)), path)
+def _fail(path, why:str, e=None):
+    raise CheckpointError(linked(f"Cannot resume from {path}: {why}. Remove it (or pass resume=False) to train from "
+                                 "the start", 'resume')) from e
 
-def read_checkpoint(path:Path|str, # A file save_checkpoint wrote
-                   )->dict:
-    "The checkpoint in `path`, checked whole: a `CheckpointError` that says whether it is truncated, corrupted or of another version"
-    path = Path(path)
-    def fail(why, e=None): raise CheckpointError(linked(f"Cannot resume from {path}: {why}. Remove it (or pass resume=False) to train "
-                                                 "from the start", 'resume')) from e
-    try: ck = torch.load(path, map_location='cpu', weights_only=False)
-    except FileNotFoundError: raise
+def _meta_sha(meta:dict)->str:
+    "sha256 of the metadata without its own checksum, as written (sorted keys)"
+    text = json.dumps({k:v for k,v in meta.items() if k != 'sha256'}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+def read_meta(folder:Path|str, # A checkpoint folder
+             )->dict:
+    "The checkpoint's metadata (JSON), checked: a `CheckpointError` names truncation, corruption or another version"
+    path = Path(folder)/META
+    try: text = path.read_bytes()
+    except FileNotFoundError as e: _fail(path, 'it is missing (a save that did not finish)', e)
+    if not text: _fail(path, 'it is empty (0 bytes): truncated')
+    try: meta = json.loads(text)
+    except ValueError as e: _fail(path, f'it is not JSON: truncated or corrupted ({e})', e)
+    if not isinstance(meta, dict) or 'format' not in meta: _fail(path, 'it is not a checkpoint of fastxtend_accum')
+    if meta['format'] != FORMAT: _fail(path, f"it is in checkpoint format {meta['format']} (fastxtend_accum "
+        f"{meta.get('versions', {}).get('fastxtend_accum')}), and this version ({__version__}) reads format {FORMAT}")
+    if meta.get('sha256') != _meta_sha(meta):
+        _fail(path, 'it is corrupted: its contents do not match the checksum they were saved with')
+    return meta
+
+def check_file(folder:Path|str, # A checkpoint folder
+               name:str, # One of its files
+               meta:dict, # Its metadata (read_meta)
+              )->Path:
+    "The file's path, once its size and sha256 match the metadata's: else a `CheckpointError` naming it and the cause"
+    path,want = Path(folder)/name,meta['files'].get(name)
+    if want is None: _fail(path, f"the checkpoint's {META} does not list it")
+    if not path.is_file(): _fail(path, 'it is missing')
+    size = path.stat().st_size
+    if size != want['size']:
+        _fail(path, f"it is truncated ({size} bytes of the {want['size']} written)" if size < want['size']
+                    else f"it is corrupted ({size} bytes, {want['size']} were written)")
+    if file_digest(path)['sha256'] != want['sha256']:
+        _fail(path, 'it is corrupted: its bytes do not match the sha256 it was saved with')
+    return path
+
+def load_file(folder:Path|str, # A checkpoint folder
+              name:str, # One of its tensor files
+              meta:dict, # Its metadata (read_meta)
+              mmap:bool=True, # Map the file: the tensors' pages are read where they are used
+             ):
+    "`torch.load(weights_only=True)` of a checkpoint's file, after `check_file`: tensors and plain values, nothing runs"
+    path = check_file(folder, name, meta)
+    try: return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
     except Exception as e:
-        size = path.stat().st_size
-        with open(path, 'rb') as f: magic = f.read(4)
-        if size == 0: fail('it is empty (0 bytes): truncated', e)
-        if magic != b'PK\x03\x04': fail(f'it is not a torch file (corrupted, or written by something else): {type(e).__name__}', e)
-        if not zipfile.is_zipfile(path): fail(f'it is truncated ({size} bytes, and the index a torch file ends with is missing)', e)
-        fail(f'it is corrupted ({type(e).__name__}: {str(e)[:200]})', e)
-    if not isinstance(ck, dict) or 'format' not in ck: fail('it was written by an earlier version of fastxtend_accum, whose '
-        'checkpoints do not record their run, so a resume from it cannot be checked')
-    if ck['format'] != FORMAT: fail(f"it is in checkpoint format {ck['format']} (fastxtend_accum {ck.get('versions', {}).get('fastxtend_accum')}), "
-                                    f'and this version ({__version__}) reads format {FORMAT}')
-    sha = ck.pop('sha256', None)
-    if sha != _digest(ck): fail('it is corrupted: its contents do not match the checksum they were saved with')
-    return ck
+        m = re.search(r'Unsupported global: GLOBAL (\S+)', str(e))
+        why = (f'it names {m.group(1)}, a global that no tensor file needs' if m
+               else f'{type(e).__name__}: {str(e)[:300]}')
+        _fail(path, f'it holds more than tensors and plain values, and was not unpickled ({why})', e)
+
+def _data(o):
+    "`o` as `torch.load(weights_only=True)` reads it: dicts, lists, numpy values as Python's, arrays as tensors"
+    if isinstance(o, np.generic): return o.item() # before float: np.float64 is a float, and torch.load refuses it
+    if isinstance(o, Tensor) or o is None or isinstance(o, (bool, int, float, str)): return o
+    if isinstance(o, dict): return {k: _data(v) for k,v in o.items()}
+    if isinstance(o, tuple): return tuple(_data(v) for v in o)
+    if isinstance(o, (list, L)): return [_data(v) for v in o]
+    if isinstance(o, np.ndarray): return torch.from_numpy(o.copy())
+    raise CheckpointError(linked(f"A checkpoint holds tensors and plain values only, and this is a "
+                                 f"{type(o).__qualname__}: {o!r:.200}", 'resume-pickle'))
 
 # %% ../nbs/resume.ipynb #f64fc0b2
 def _rank()->int: return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 def _world()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-def _plain(model:nn.Module)->nn.Module: return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
+def _plain(model:nn.Module)->nn.Module:
+    return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
 def _shuffle_source(dl):
     "The loader whose `random.Random` draws the epoch's order: the one fastai's `DistributedDL` wraps, if it does"
     inner = getattr(dl, 'dl', None)
     return inner if hasattr(inner, 'rng') else dl
 
 def _value(v):
-    "A hyper-parameter or setting as plain Python (numbers as floats, arrays as lists), for a record that compares and pickles"
+    "A hyper-parameter or setting as plain Python (numbers as floats, arrays as lists), for a record that compares"
     if isinstance(v, (bool, int, str)) or v is None: return v
     if isinstance(v, (list, tuple)): return [_value(o) for o in v]
     try: return np.asarray(v, dtype=float).tolist()
@@ -123,13 +182,22 @@ def _optimizer(learn)->str:
     names = [getattr(c.func if isinstance(c, partial) else c, '__name__', type(c).__name__) for c in steppers or []]
     return name + (f" [{', '.join(names)}]" if names else '')
 
-_SETTINGS = ('accum_bs', 'global_bs', 'micro_bs', 'n_acc', 'start_accum_bs', 'final_accum_bs', 'start', 'finish', 'drop_last')
+def _model_id(model:nn.Module)->str:
+    "The model's class, tensors, values and a digest of its repr: what a cell that builds another model changes"
+    m = _plain(model)
+    sd = m.state_dict()
+    return (f"{type(m).__qualname__}, {len(sd)} tensors, {sum(v.numel() for v in sd.values())} values, repr sha256 "
+            f"{hashlib.sha256(repr(m).encode()).hexdigest()[:12]}")
+
+_SETTINGS = ('accum_bs', 'global_bs', 'micro_bs', 'n_acc', 'start_accum_bs', 'final_accum_bs', 'start', 'finish',
+             'drop_last')
 
 def run_record(learn:Learner, # At before_fit, before a callback changed the optimizer's hyper-parameters
               )->dict:
-    "What a fit trains, as a resume must find it again: the accumulation, the data, the optimizer, the schedule and the versions"
+    "What a fit trains, as a resume must find it again: model, loss, accumulation, data, optimizer, schedule, versions"
     accum = {type(cb).__name__: {k: _value(getattr(cb, k)) for k in _SETTINGS if hasattr(cb, k)} for cb in learn.cbs
-             if type(cb).__module__.startswith('fastxtend_accum.callback') or type(cb).__name__ == 'GradientAccumulation'}
+             if type(cb).__module__.startswith('fastxtend_accum.callback')
+             or type(cb).__name__ == 'GradientAccumulation'}
     scheds = {}
     for cb in learn.cbs:
         for k,s in getattr(cb, 'scheds', {}).items(): scheds[k] = [_value(s(p)) for p in (0., .25, .5, .75, 1.)]
@@ -139,11 +207,13 @@ def run_record(learn:Learner, # At before_fit, before a callback changed the opt
             if k not in scheds: hypers.setdefault(k, []).append(_value(v))
     hypers = {k: v[0] if all(o == v[0] for o in v) else v for k,v in hypers.items()}
     dl = learn.dls.train
-    return dict(n_epoch=learn.n_epoch, accumulation=accum, micro_bs=getattr(dl, 'bs', None), n_samples=len(dl.dataset),
+    return dict(model=_model_id(learn.model), loss=repr(learn.loss_func)[:300], n_epoch=learn.n_epoch,
+                accumulation=accum, micro_bs=getattr(dl, 'bs', None), n_samples=len(dl.dataset),
                 optimizer=_optimizer(learn), hypers=hypers, schedule=scheds, world_size=_world(),
                 versions={'fastxtend_accum': __version__, 'fastai': fastai.__version__})
 
-_NAMES = dict(n_epoch='epochs', micro_bs='micro-batch size (the training loader\'s bs)', n_samples='training samples',
+_NAMES = dict(loss='loss function', n_epoch='epochs', micro_bs='micro-batch size (the training loader\'s bs)',
+              n_samples='training samples',
               hypers="optimizer hyper-parameter", schedule='schedule (at 0, 25, 50, 75 and 100% of the fit) of',
               world_size='processes')
 
@@ -159,7 +229,7 @@ def record_differences(saved:dict, # run_record of the checkpoint's fit
                        now:dict, # ...and of the fit that would resume it
                        ignore:tuple=(), # Keys not compared
                       )->list[str]:
-    "Each way `now` is another run than `saved`: the processes count only where the windows depend on them (no `global_bs`)"
+    "Each way `now` is another run than `saved`: processes count only where the windows depend on them (no `global_bs`)"
     glob = any(s.get('global_bs') for s in now['accumulation'].values())
     skip = set(ignore) | ({'world_size'} if glob else set())
     a,b = _flat(saved),_flat(now)
@@ -169,80 +239,337 @@ def record_differences(saved:dict, # run_record of the checkpoint's fit
 class _SkipDone(SkipToEpoch):
     "fastai's `SkipToEpoch`, for the epochs a `ResumeCheckpoint` holds"
 
+# %% ../nbs/resume.ipynb #e3b5293c
+def _is_sharded(model:nn.Module)->bool: return sharding_engine(model) is not None
+
+def opt_state(opt, # learn.opt: fastai's Optimizer or OptimWrapper
+             )->dict:
+    "The optimizer's state as data: fastai's `Optimizer` (its hypers as plain floats) or `OptimWrapper`"
+    return _data(opt.state_dict())
+
+def load_opt_state(opt, # learn.opt
+                   sd:dict, # What opt_state returned
+                   device=None, # Where the state's tensors go (None: copied where they are)
+                  ):
+    "Load `opt_state`'s `sd` into `opt` (tensors copied to `device`: a mapped file's pages are not kept)"
+    sd = to_device(apply(lambda t: t.clone(), sd) if device is None else sd, device)
+    if isinstance(opt, Optimizer): sd = dict(sd, hypers=L(sd['hypers']), state=list(sd['state']))
+    opt.load_state_dict(sd)
+
+def save_weights(folder:Path, # The checkpoint's (temporary) folder, on every process
+                 model:nn.Module, # The model as the Learner holds it
+                 opt, # learn.opt, or None
+                ):
+    "Write the model's and optimizer's state into `folder`: `model.pt`, `optimizer.pt`; sharded: `save_sharded`"
+    if _is_sharded(model):
+        from .checkpoint_sharded import save_sharded
+        return save_sharded(folder, model, opt)
+    if _rank(): return
+    _write_fd(_open_new(folder/'model.pt'), _plain(model).state_dict())
+    if opt is not None: _write_fd(_open_new(folder/'optimizer.pt'), opt_state(opt))
+
+def load_weights(folder:Path, # A checkpoint folder, its files checked against...
+                 meta:dict, # ...its metadata (read_meta)
+                 model:nn.Module, # The model as the Learner holds it
+                 opt, # learn.opt, or None
+                ):
+    "Read the model's and optimizer's state from `folder`, each process itself (a sharded model: `load_sharded`)"
+    if _is_sharded(model):
+        for name in meta['files']: # torch.distributed.checkpoint's files (its .metadata is a pickle): checked first
+            if not name.startswith('process-'): check_file(folder, name, meta)
+        from .checkpoint_sharded import load_sharded
+        return load_sharded(folder, model, opt)
+    model = _plain(model)
+    model.load_state_dict(load_file(folder, 'model.pt', meta)) # mapped: copied into the parameters, one copy
+    if opt is not None and 'optimizer.pt' in meta['files']:
+        load_opt_state(opt, load_file(folder, 'optimizer.pt', meta), next(model.parameters()).device)
+
+# %% ../nbs/resume.ipynb #3fe1da90
+def process_state(learn:Learner, # The Learner whose loader's shuffle (and scaler) to save
+                 )->dict:
+    "This process's state: Python's, NumPy's, torch's CPU and CUDA random streams, the loader's shuffle, a `GradScaler`"
+    name,keys,pos,has_gauss,gauss = np.random.get_state()
+    st = dict(python=random.getstate(),
+              numpy=[name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+              torch=torch.get_rng_state(), shuffle=_shuffle_source(learn.dls.train).rng.getstate())
+    if torch.cuda.is_available() and torch.cuda.is_initialized(): st['cuda'] = torch.cuda.get_rng_state_all()
+    scaler = getattr(learn, 'scaler', None)
+    if scaler is not None and hasattr(scaler, 'state_dict'): st['scaler'] = _data(scaler.state_dict())
+    return st
+
+def restore_process_state(learn:Learner, # The Learner whose loader's shuffle (and scaler) to restore
+                          st:dict, # What process_state returned
+                          scaler:bool=True, # Restore learn.scaler's state too
+                         ):
+    "Restore `process_state`'s `st` on this process (the scaler's too, when `scaler` and the Learner has one)"
+    random.setstate(st['python'])
+    name,keys,pos,has_gauss,gauss = st['numpy']
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(st['torch'])
+    _shuffle_source(learn.dls.train).rng.setstate(st['shuffle'])
+    if 'cuda' in st and torch.cuda.is_available(): torch.cuda.set_rng_state_all(st['cuda'][:torch.cuda.device_count()])
+    if scaler and 'scaler' in st and getattr(learn, 'scaler', None) is not None:
+        learn.scaler.load_state_dict(st['scaler'])
+
+def _num(v)->float|list:
+    "A recorded value (tensor, numpy, number) as plain floats"
+    if isinstance(v, (list, tuple, L)): return [_num(o) for o in v]
+    return None if v is None else float(v)
+
+def recorder_state(learn:Learner, # The Learner whose Recorder to save
+                  )->dict|None:
+    "fastai's Recorder as plain values: its per-step lrs, iters and losses, per-epoch values and the smoothed loss"
+    r = getattr(learn, 'recorder', None)
+    if r is None or not hasattr(r, 'losses'): return None
+    sm = r.smooth_loss
+    return dict(lrs=_num(r.lrs), iters=_num(r.iters), losses=_num(r.losses), values=[_num(v) for v in r.values],
+                smooth=dict(count=int(sm.count), val=_num(sm.val),
+                            dtype=str(getattr(sm.val, 'dtype', 'torch.float32'))[6:]))
+
+def restore_recorder(learn:Learner, # The Learner whose Recorder to restore
+                     st:dict|None, # What recorder_state returned
+                    ):
+    "Restore `recorder_state`'s `st`: the resumed fit's Recorder holds the whole fit"
+    r = getattr(learn, 'recorder', None)
+    if st is None or r is None or not hasattr(r, 'losses'): return
+    dt = getattr(torch, st['smooth']['dtype'])
+    r.lrs,r.iters,r.values = list(st['lrs']),[int(i) for i in st['iters']],[L(v) for v in st['values']]
+    r.losses = [torch.tensor(v, dtype=dt) for v in st['losses']]
+    r.smooth_loss.count,r.smooth_loss.val = st['smooth']['count'],torch.tensor(st['smooth']['val'] or 0., dtype=dt)
+
+# %% ../nbs/resume.ipynb #a6671984
+_NAME = re.compile(r'fit-(\d+)-step-(\d+)')
+
+def checkpoints(folder:Path, # learn.path/learn.model_dir/fname
+               )->list[Path]:
+    "The checkpoint folders in `folder`, oldest first (by fit, then optimizer step)"
+    if not folder.is_dir(): return []
+    found = [(tuple(map(int, m.groups())), p) for p in folder.iterdir()
+             if (m := _NAME.fullmatch(p.name)) and p.is_dir()]
+    return [p for _,p in sorted(found)]
+
+def _host()->str: return socket.gethostname().replace('.', '_')[:40]
+
+def _alive(pid:int)->bool:
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: return True
+    return True
+
+def _leftovers(folder:Path)->list[Path]:
+    "Temporary folders a save on this host left when its process died (their names hold host and pid): not a live one's"
+    res = []
+    if not folder.is_dir(): return res
+    for p in folder.iterdir():
+        m = re.fullmatch(r'\.fit-\d+-step-\d+\.(.+)-(\d+)\.[^.]+\.tmp', p.name)
+        if m and m.group(1) == _host() and not _alive(int(m.group(2))): res.append(p)
+    return res
+
+def weights_digest(model:nn.Module, # The model as the Learner holds it
+                   n:int=64, # Values sampled from each tensor
+                  )->str:
+    "A cheap sha256 of the weights: each tensor's name, dtype, shape, `n` first values, `n` spread (sharded: first)"
+    h = hashlib.sha256()
+    for k,v in _plain(model).state_dict().items():
+        local = v.to_local() if hasattr(v, 'to_local') else v
+        t = local.detach().reshape(-1)
+        idx = torch.arange(min(n, t.numel()))
+        if local is v and t.numel() > n: idx = torch.cat([idx, torch.linspace(0, t.numel()-1, n).long()])
+        h.update(f'{k}{v.dtype}{tuple(v.shape)}'.encode())
+        h.update(t[idx].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+def _bcast(o):
+    "Rank 0's `o`, on every process (one small `broadcast_object_list`)"
+    if _world() == 1: return o
+    box = [o]; dist.broadcast_object_list(box, src=0); return box[0]
+
+def _gather(o)->list:
+    "Every process's `o`, on every process"
+    if _world() == 1: return [o]
+    res = [None]*_world(); dist.all_gather_object(res, o); return res
+
+def _agree(err:str|None, what:str):
+    "Raise on every process if any process failed (`err`: its message): none is left waiting in a collective"
+    errs = [(r, e) for r,e in enumerate(_gather(err)) if e]
+    strip = lambda e: re.sub(r' \(see https?://\S+\)$', '', e) # one link, at the end
+    if errs: raise raised_everywhere(CheckpointError(linked(f"{what}: " + '; '.join(
+        (f'process {r}: ' if _world() > 1 else '') + strip(e) for r,e in errs), 'resume')))
+
 # %% ../nbs/resume.ipynb #a37cb002
 class ResumeCheckpoint(LeftOutOfExport, Callback):
-    "Save what an exact resume needs after every epoch (atomically, on rank 0); when the same run starts again, continue it where it stopped"
+    "Save a checkpoint folder after every epoch, each process its own state; the same run started again continues"
     order = TrainEvalCallback.order+1 # before_fit: before the engine wraps the model (fastai's DistributedTrainer, 11)
     def __init__(self,
-        fname:str='checkpoint', # File in learn.path/learn.model_dir, without '.pth'
-        resume:bool=True, # Resume when a fit starts and the file holds this run
-        run_id:str|None=None, # The run's name, saved in the file: another run's file is refused
+        fname:str='checkpoint', # Folder in learn.path/learn.model_dir (a name, used literally)
+        resume:bool|str='auto', # 'auto': the same run; True: even another's weights; False: anew
+        run_id:str|None=None, # The run's name, saved: another run's checkpoint is refused
         ignore:tuple=(), # Keys of run_record not compared on resume (e.g. 'versions')
+        keep:int=1, # Checkpoints kept in the folder: the newest
     ):
+        if resume not in (True, False, 'auto'):
+            raise ValueError(linked(f"resume must be 'auto', True or False, got {resume!r}", 'resume'))
+        if not (isinstance(keep, int) and keep >= 1):
+            raise ValueError(linked(f'keep must be an int >= 1, got {keep!r}', 'resume'))
+        if not fname or Path(fname).name != fname or fname in ('.', '..'):
+            raise ValueError(linked(f"fname must be a folder's name (no '/'), got {fname!r}", 'resume'))
         store_attr()
-        self.i_fit,self.records = 0,[] # this callback's training fits done (the next fit's index), and their `run_record`s
+        # training fits done (the next fit's index), their `run_record`s, the run's weights_digest
+        self.i_fit,self.records,self.identity = 0,[],None
 
     @property
-    def file(self)->Path:
-        "Where the checkpoint is written"
-        return self.learn.path/self.learn.model_dir/f'{self.fname}.pth'
+    def folder(self)->Path:
+        "Where the checkpoints are written: one folder per checkpoint in it"
+        return self.learn.path/self.learn.model_dir/self.fname
 
     def before_fit(self):
-        "Decide on rank 0 whether this fit resumes the checkpoint, and how; every process loads what rank 0 read"
+        "Decide on rank 0 whether this fit resumes a checkpoint; every process then reads its own share of it"
         self._remove_skip() # one a fit that raised left behind
-        # `lr_find`'s fit is no training, and `validate`/`get_preds` fire `before_fit` too (holding the Learner's lock): neither loads nor saves
-        self.start,self.skip = 0,hasattr(self.learn, 'lr_finder') or self.learn.lock.locked()
+        # `lr_find`'s fit is no training, and `validate`/`get_preds` fire `before_fit` too (holding the Learner's lock)
+        self.start,self.pending,self.skip = 0,None,hasattr(self.learn, 'lr_finder') or self.learn.lock.locked()
         if self.skip: return
         k,record = self.i_fit,run_record(self.learn) # a fit that raised keeps its index: the next one resumes it
         self.records = self.records[:k] + [record]
-        plan = self._plan(k, record) if _rank() == 0 else None
-        if _world() > 1: # one decision, rank 0's, for every process (it alone writes the file)
-            box = [plan]; dist.broadcast_object_list(box, src=0); plan = box[0]
-        what,arg = plan
+        if self.identity is None and _rank() == 0: self.identity = weights_digest(self.model) # the run's first weights
+        what,arg = _bcast(self._plan(k, record) if _rank() == 0 else None) # rank 0's decision, for every process
         if what == 'error': raise raised_everywhere(arg) # the same error on every process: none waits for another
-        if what == 'fresh': return
-        ck = arg
-        self.records = ck['fits'][:k] + [record]
-        model = _plain(self.model)
-        model.load_state_dict(ck['model'])
-        if self.opt is not None and ck['opt'] is not None: self.opt.load_state_dict(to_device(ck['opt'], next(model.parameters()).device))
-        _shuffle_source(self.dls.train).rng.setstate(ck['shuffle'])
-        random.setstate(ck['random']); np.random.set_state(ck['numpy']); torch.set_rng_state(ck['torch'])
-        self.learn.train_iter = ck['train_iter']
-        self.start = ck['epoch']+1 if ck['fit'] == k else self.n_epoch # an earlier fit of the run: done, all skipped
-        if _rank() == 0: print(linked(f"ResumeCheckpoint: fit {k} of this run " + (f"resumed at epoch {self.start} of {self.n_epoch}"
-            if self.start < self.n_epoch else "was completed before: its epochs are skipped") + f" ({self.file}, saved after fit "
-            f"{ck['fit']} epoch {ck['epoch']})", 'resume'))
+        if what == 'fresh':
+            if arg and _rank() == 0: print(linked(arg, 'resume-identity'))
+            return
+        path,meta,note = arg
+        folder,err = Path(path),None
+        try:
+            load_weights(folder, meta, self.model, self.opt)
+            mine = f'process-{_rank()}.pt' # another number of processes: rank 0's state where this rank has none
+            st = load_file(folder, mine if mine in meta['files'] else 'process-0.pt', meta, mmap=False)
+        except CheckpointError as e: err = str(e)
+        except Exception as e: err = linked(f'Cannot resume from {folder}: {_why(e)}', 'resume')
+        _agree(err, 'ResumeCheckpoint')
+        if _rank() == 0: self.identity = meta['identity']
+        self.records = meta['fits'][:k] + [record]
+        restore_process_state(self.learn, st, scaler=False)
+        self.learn.train_iter = meta['train_iter']
+        done = meta['fit'] > k # an earlier fit of the run: done, all its epochs skipped
+        self.start = self.n_epoch if done else meta['epoch']+1
+        self.pending = None if done else (st, meta.get('recorder'))
+        if _rank() == 0:
+            how = (f"resumed at epoch {self.start} of {self.n_epoch}" if self.start < self.n_epoch
+                   else "was completed before: its epochs are skipped")
+            print(linked(f"ResumeCheckpoint: fit {k} of this run {how} ({folder}, saved after fit {meta['fit']} epoch "
+                         f"{meta['epoch']}){note}", 'resume'))
+        saved,now = meta['world_size'],_world()
+        if saved != now and _rank() == 0:
+            which = (f"processes {saved} to {now-1} take process 0's random and shuffle states" if now > saved
+                     else f"the states of processes {now} to {saved-1} are not used")
+            print(linked(f"ResumeCheckpoint: the checkpoint was saved by {saved} process(es), and this run has {now}: "
+                         f"{which}", 'resume-process'))
         self.learn.add_cb(_SkipDone(self.start)) # fastai's `start_epoch`: skipped after every callback's `before_epoch`
 
     def _plan(self, k:int, record:dict)->tuple:
-        "Rank 0's decision: ('fresh', None), ('resume', checkpoint) or ('error', the exception every process raises)"
-        for t in _tmp_files(self.file): t.unlink(missing_ok=True) # a write that was killed half-way
-        if not self.resume or not self.file.exists(): return 'fresh',None
-        try: ck = read_checkpoint(self.file)
+        "Rank 0's decision: ('fresh', a line or None), ('resume', (folder, metadata, note)) or ('error', the exception)"
+        folder = self.folder
+        for t in _leftovers(folder): shutil.rmtree(t, ignore_errors=True) # a save on this host whose process died
+        cks = checkpoints(folder)
+        if self.resume is False:
+            if k > 0 or not cks: return 'fresh',None
+            aside = folder.with_name(f"{self.fname}.{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+            folder.rename(aside)
+            return 'fresh',(f"ResumeCheckpoint: resume=False: this run starts anew; the checkpoints in {folder} were "
+                            f"moved to {aside}")
+        old = folder.with_name(f'{self.fname}.pth')
+        if not cks:
+            if old.is_file(): return 'error',CheckpointError(linked(f"Cannot resume from {old}: it is a checkpoint of "
+                "an earlier version of fastxtend_accum (one pickled file), which this version does not read: "
+                "unpickling can run code. Remove it (or pass resume=False) to train from the start", 'resume-pickle'))
+            return 'fresh',None
+        last = cks[-1]
+        try: meta = read_meta(last)
         except CheckpointError as e: return 'error',e
-        if self.run_id is not None and ck['run_id'] != self.run_id:
-            return 'error',ValueError(linked(f"{self.file} holds run {ck['run_id']!r}, and this is run {self.run_id!r}. Pass another "
-                                  "fname, or remove the file", 'resume'))
-        if ck['fit'] < k: return 'fresh',None # a fit after the checkpoint's (one session, several fits): it starts anew
-        diffs = record_differences(ck['fits'][k], record, self.ignore)
-        if diffs: return 'error',ValueError(linked(f"{self.file} was saved by another run than this fit (fit {k} of its session): "
-            f"{'; '.join(diffs)}. Resume with the same settings, or pass resume=False (or remove the file)", 'resume'))
-        return 'resume',ck
+        if self.run_id is not None and meta['run_id'] != self.run_id:
+            return 'error',ValueError(linked(f"{last} holds run {meta['run_id']!r}, and this is run {self.run_id!r}. "
+                                             "Pass another fname, or resume=False to start fresh", 'resume'))
+        if meta['fit'] < k: return 'fresh',None # a fit after the checkpoint's (a session's next fit): it starts anew
+        diffs = record_differences(meta['fits'][k], record, self.ignore)
+        if diffs: return 'error',ValueError(linked(f"{last} was saved by another run than this fit (fit {k} of its "
+            f"session): {'; '.join(diffs)}. Resume with the same settings, pass resume=False to start fresh, or "
+            "ignore=(<the keys>,) to resume anyway", 'resume'))
+        note = ''
+        if meta['identity'] != self.identity:
+            if self.resume != True: return 'error',ValueError(linked(f"{last} holds another run: the model's weights "
+                f"when its first fit started differ from this run's (weights digest {meta['identity'][:12]} in the "
+                f"checkpoint, {self.identity[:12]} now: another seed, or a model built otherwise). Pass resume=False "
+                "to start fresh (the folder's checkpoints are moved aside), or resume=True to resume that run anyway",
+                'resume-identity'))
+            note = "; resume=True: that run started from other weights than this one"
+        return 'resume',(str(last), meta, note)
+
+    def before_epoch(self):
+        "The resumed epoch: restore what other callbacks set up in their `before_fit` (a `GradScaler`, the Recorder)"
+        if self.pending is None or self.epoch != self.start: return
+        (st,rec),self.pending = self.pending,None
+        if 'scaler' in st and getattr(self.learn, 'scaler', None) is not None:
+            self.learn.scaler.load_state_dict(st['scaler'])
+        restore_recorder(self.learn, rec)
 
     def after_fit(self):
-        "The fit is done (ended, or cancelled: fastai's `after_fit`): the next one is a new fit. Take the epoch-skipping callback off again"
+        "The fit is done (ended, or cancelled): the next one is a new fit. Take the epoch-skipping callback off again"
         if not self.skip: self.i_fit += 1
         self._remove_skip()
     def _remove_skip(self): self.learn.remove_cbs([cb for cb in self.learn.cbs if isinstance(cb, _SkipDone)])
 
     def after_epoch(self):
-        "Save the checkpoint of the epoch just done (rank 0), with the run's record and a checksum"
-        if self.skip or self.epoch < self.start or _rank(): return
-        if sharding_engine(self.model) is not None: raise NotImplementedError(linked("ResumeCheckpoint does not save sharded (FSDP) "
-            "models: save them with `learn.save(..., with_opt=True)` (see `sharded`)", 'resume'))
-        opt = self.opt.state_dict() if self.opt is not None else None
-        save_checkpoint(dict(format=FORMAT, run_id=self.run_id, fit=self.i_fit, fits=self.records, versions=self.records[-1]['versions'],
-                             model=_plain(self.model).state_dict(), opt=opt, shuffle=_shuffle_source(self.dls.train).rng.getstate(),
-                             random=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-                             epoch=self.epoch, n_epoch=self.n_epoch, train_iter=self.train_iter), self.file)
+        "Save the checkpoint of the epoch just done"
+        if self.skip or self.epoch < self.start: return
+        self.save()
+
+    def save(self):
+        "Write this point of the run as a new checkpoint folder (collective: each process its state, rank 0 metadata)"
+        name,rank = f'fit-{self.i_fit}-step-{self.train_iter}',_rank()
+        final,tmp,err = self.folder/name,None,None
+        if rank == 0:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                tmp = tempfile.mkdtemp(prefix=f'.{name}.{_host()}-{os.getpid()}.', suffix='.tmp', dir=self.folder)
+            except Exception as e: err = _why(e)
+        tmp,err = _bcast((tmp, err))
+        def fail(errs):
+            if rank == 0 and tmp is not None: shutil.rmtree(tmp, ignore_errors=True)
+            why = '; '.join((f'process {r}: ' if len(errs) > 1 or r else '') + e for r,e in errs)
+            raise raised_everywhere(CheckpointError(linked(f"Could not write the checkpoint {final}: {why}. The "
+                                                           "previous checkpoint, if any, is kept", 'resume')))
+        if err: fail([(0, err)])
+        tmp,err = Path(tmp),None
+        try:
+            save_weights(tmp, self.model, self.opt)
+            _write_fd(_open_new(tmp/f'process-{rank}.pt'), process_state(self.learn))
+        except Exception as e: err = _why(e)
+        errs = [(r, e) for r,e in enumerate(_gather(err)) if e]
+        if errs: fail(errs)
+        if rank == 0:
+            try: self._publish(tmp, final)
+            except Exception as e: err = _why(e)
+        err = _bcast(err)
+        if err: fail([(0, err)])
+
+    def _publish(self, tmp:Path, final:Path):
+        "Rank 0: the metadata (each file's sha256 and size), the folder renamed into place and fsynced; old ones pruned"
+        files = {str(p.relative_to(tmp)): file_digest(p) for p in sorted(tmp.rglob('*')) if p.is_file()}
+        meta = dict(format=FORMAT, run_id=self.run_id, identity=self.identity, fit=self.i_fit, fits=self.records,
+                    epoch=self.epoch, n_epoch=self.n_epoch, train_iter=self.train_iter, world_size=_world(),
+                    sharded=_is_sharded(self.model), recorder=recorder_state(self.learn), time=time.time(), files=files,
+                    versions=dict(self.records[-1]['versions'], torch=torch.__version__))
+        meta = json.loads(json.dumps(meta)) # as a reader sees it (tuples as lists, keys as strings), then its checksum
+        meta['sha256'] = _meta_sha(meta)
+        with open(_open_new(tmp/META), 'w') as f: json.dump(meta, f, indent=1); f.flush(); os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        prev = checkpoints(self.folder) # a checkpoint's permissions are kept
+        os.chmod(tmp, stat.S_IMODE(prev[-1].stat().st_mode) if prev else 0o777 & ~_UMASK)
+        aside = None
+        if final.exists(): # the same step saved before (a fit run again): replaced whole
+            aside = Path(tempfile.mkdtemp(prefix=f'.{final.name}.{_host()}-{os.getpid()}.', suffix='.tmp',
+                                          dir=self.folder))
+            os.replace(final, aside)
+        os.rename(tmp, final)
+        _fsync_dir(self.folder)
+        if aside is not None: shutil.rmtree(aside, ignore_errors=True)
+        for p in checkpoints(self.folder)[:-self.keep]: shutil.rmtree(p, ignore_errors=True)

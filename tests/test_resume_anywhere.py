@@ -10,11 +10,12 @@ from test_distributed import free_port, ENV, HERE
 WORKER = os.path.join(HERE, 'resume_worker.py')
 TIMEOUT = 240
 
-def run(out, tag, phase, world):
+def run(out, tag, phase, world, stdout=None):
     cmd = ([sys.executable] if world == 1 else [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={world}',
            '--master_addr=127.0.0.1', f'--master_port={free_port()}']) + [WORKER, str(out), tag, phase]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT='120'), cwd=os.path.dirname(HERE))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    if stdout is not None: stdout.append(p.stdout)
     return torch.load(out/f'{tag}-{phase}-w{world}.pt')
 
 @pytest.fixture(scope='module')
@@ -29,7 +30,9 @@ def max_diff(a, b): return max(float((p-q).abs().max()) for p,q in zip(a['params
 def test_resume_on_another_number_of_processes(out, whole, before, after):
     tag = f'{before}to{after}'
     cut = run(out, tag, 'cut', before)
-    resumed = run(out, tag, 'resume', after)
+    said = []
+    resumed = run(out, tag, 'resume', after, said)
+    assert f'the checkpoint was saved by {before} process(es), and this run has {after}' in said[0], said[0][-2000:]
     d = max_diff(resumed, whole)
     n = len(resumed['lrs'])
     lr = max(abs(a[1]-b[1]) for a,b in zip(resumed['lrs'], whole['lrs'][-n:]))

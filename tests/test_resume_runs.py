@@ -50,7 +50,7 @@ def test_fine_tune_resumes_the_phase_it_was_cut_in(out):
     ('other_optimizer', 'optimizer: Adam [weight_decay, average_grad, average_sqr_grad, step_stat, adam_step] in the checkpoint, SGD'),
     ('other_samples', 'training samples: 1000 in the checkpoint, 999 now')])
 def test_another_run_is_refused_before_training(out, case, says):
-    if not (out/'cut1'/'models'/'run.pth').exists(): run(out, 'cut1', 'tune_cut1', ok=False)
+    if not (out/'cut1'/'models'/'run').exists(): run(out, 'cut1', 'tune_cut1', ok=False)
     import shutil
     shutil.copytree(out/'cut1', out/case)
     res,_,_,_ = run(out, case, case, world=2, ok=False)
@@ -61,64 +61,66 @@ def test_another_run_is_refused_before_training(out, case, says):
 
 # ---- files: in this process
 
-from fastxtend_accum.resume import atomic_save, save_checkpoint, read_checkpoint, CheckpointError, FORMAT
+from fastxtend_accum import resume as R
+from fastxtend_accum.resume import atomic_save, read_meta, CheckpointError
 
-def saved(tmp_path):
-    f = tmp_path/'ck.pth'
-    save_checkpoint(dict(format=FORMAT, model={'w': torch.arange(4096, dtype=torch.float64)}, epoch=1), f)
-    return f
-
-def test_reads_say_truncated_corrupted_or_another_version(tmp_path):
-    f = saved(tmp_path)
-    assert read_checkpoint(f)['epoch'] == 1
-    data = f.read_bytes()
-    def fails(content, says):
-        f.write_bytes(content)
-        with pytest.raises(CheckpointError) as e: read_checkpoint(f)
-        print(f'{says}: {e.value}')
-        assert str(f) in str(e.value) and says in str(e.value)
-    fails(data[:len(data)//2], 'it is truncated')
-    fails(b'', 'it is empty (0 bytes): truncated')
-    fails(os.urandom(len(data)), 'it is not a torch file')
-    flipped = bytearray(data) # one bit of a weight: torch's reader loads it silently; the checksum does not match
-    f.write_bytes(data)
-    with zipfile.ZipFile(f) as zf:
-        info = next(i for i in zf.infolist() if i.filename.endswith('/data/0'))
-    start = info.header_offset + 30 + int.from_bytes(data[info.header_offset+26:info.header_offset+28], 'little') \
-            + int.from_bytes(data[info.header_offset+28:info.header_offset+30], 'little')
-    flipped[start+1000] ^= 4
-    f.write_bytes(bytes(flipped))
-    assert torch.load(f, weights_only=False)['model']['w'].ne(torch.arange(4096, dtype=torch.float64)).sum() == 1
-    fails(bytes(flipped), 'it is corrupted: its contents do not match the checksum')
-    torch.save(dict(model={}, epoch=1, n_epoch=4), f) # what the callback wrote before issue 37
-    fails(f.read_bytes(), 'written by an earlier version of fastxtend_accum')
-
-def test_writes_name_the_file_and_the_os_cause(tmp_path):
-    "ENOSPC (the temporary file is /dev/full) and EFBIG (a file-size limit, in a child process): named, the previous file kept"
-    f = saved(tmp_path)
-    os.symlink('/dev/full', tmp_path/f'.ck.pth.{os.getpid()}.tmp')
-    with pytest.raises(CheckpointError) as e: atomic_save({'w': torch.zeros(100000)}, f)
-    print(e.value)
-    assert str(f) in str(e.value) and 'No space left on device (ENOSPC)' in str(e.value)
-    assert read_checkpoint(f)['epoch'] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ['ck.pth']
-    code = ("import resource, signal, torch, sys; from fastxtend_accum.resume import atomic_save; signal.signal(signal.SIGXFSZ, "
-            "signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (100000, 100000)); atomic_save({'w': torch.zeros(100000)}, sys.argv[1])")
-    p = subprocess.run([sys.executable, '-c', code, str(f)], capture_output=True, text=True, timeout=120, env=ENV)
-    print(p.stderr.splitlines()[-1])
-    assert p.returncode != 0 and f'CheckpointError: Could not write the checkpoint {f}: File too large (EFBIG)' in p.stderr
-    assert read_checkpoint(f)['epoch'] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ['ck.pth']
-
-def test_a_killed_writes_temporary_file_goes_at_the_next_start(tmp_path):
+def small_learner(path, n_hidden=32, **kw):
     from fastai.basics import Learner, nn
     from fastxtend_accum.resume import ResumeCheckpoint
     from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss
-    learn = Learner(digits_default_dls(256), digits_mlp(), loss_func=nn.CrossEntropyLoss(), path=tmp_path,
-                    cbs=[Float64SmoothLoss(), ResumeCheckpoint('run')])
-    (tmp_path/'models').mkdir()
-    left = tmp_path/'models'/'.run.pth.12345.tmp'
-    left.write_bytes(b'PK\x03\x04 half a checkpoint')
+    return Learner(digits_default_dls(256), digits_mlp(n_hidden), loss_func=nn.CrossEntropyLoss(), path=path,
+                   cbs=[Float64SmoothLoss(), ResumeCheckpoint('run', **kw)])
+
+def fit1(learn):
     with learn.no_logging(), learn.no_bar(): learn.fit(1)
-    assert sorted(p.name for p in (tmp_path/'models').iterdir()) == ['run.pth']
+    return learn
+
+def intact(folder, n=1):
+    "The folder holds n checkpoints, the last one whole (its metadata and every file's sha256), and no temporary folder"
+    cks = R.checkpoints(folder)
+    meta = read_meta(cks[-1])
+    for name in meta['files']: R.check_file(cks[-1], name, meta)
+    assert len(cks) == n and sorted(p.name for p in folder.iterdir()) == [p.name for p in cks], list(folder.iterdir())
+    return meta
+
+def test_writes_name_the_file_and_the_os_cause(tmp_path, monkeypatch):
+    "ENOSPC (the new file is /dev/full) and EFBIG (a file-size limit, in a child process): named, the previous one kept"
+    learn = fit1(small_learner(tmp_path))
+    folder = tmp_path/'models'/'run'
+    new = R._open_new
+    full = lambda p: os.open('/dev/full', os.O_WRONLY) if p.name == 'process-0.pt' else new(p)
+    monkeypatch.setattr(R, '_open_new', full)
+    with pytest.raises(CheckpointError) as e: fit1(learn) # a second fit: it trains, and its save fails
+    print(e.value)
+    assert f"Could not write the checkpoint {folder}/fit-1-step-" in str(e.value)
+    assert 'No space left on device (ENOSPC)' in str(e.value)
+    assert intact(folder)['fit'] == 0
+    monkeypatch.undo()
+    fd = os.open('/dev/full', os.O_WRONLY) # atomic_save, for one file: the same, through its temporary file
+    monkeypatch.setattr(R, '_new_tmp', lambda p: (fd, p.with_name('.ck.pth.planted.tmp')))
+    (tmp_path/'.ck.pth.planted.tmp').symlink_to('/dev/full')
+    with pytest.raises(CheckpointError) as e: atomic_save({'w': torch.zeros(100000)}, tmp_path/'ck.pth')
+    assert 'No space left on device (ENOSPC)' in str(e.value) and not (tmp_path/'.ck.pth.planted.tmp').exists()
+    monkeypatch.undo()
+    code = ("import resource, signal, sys; sys.path.insert(0, sys.argv[2]); from test_resume_runs import small_learner, "
+            "fit1; from pathlib import Path; learn = fit1(small_learner(Path(sys.argv[1]), 2000)); "
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (500000, 500000)); fit1(learn)") # a model of 1.2 MB
+    folder = tmp_path/'big'/'models'/'run'
+    p = subprocess.run([sys.executable, '-c', code, str(tmp_path/'big'), HERE], capture_output=True, text=True, timeout=120,
+                       env=ENV)
+    print(p.stderr.splitlines()[-1])
+    assert p.returncode != 0 and f'Could not write the checkpoint {folder}/fit-1-step-' in p.stderr
+    assert 'File too large (EFBIG)' in p.stderr
+    assert intact(folder)['fit'] == 0 # the first fit's, kept
+
+def test_a_killed_writes_temporary_folder_goes_at_the_next_start(tmp_path):
+    import socket
+    dead = subprocess.Popen([sys.executable, '-c', 'pass']); dead.wait()
+    left = tmp_path/'models'/'run'/f".fit-0-step-5.{socket.gethostname().replace('.', '_')[:40]}-{dead.pid}.x1y2.tmp"
+    left.mkdir(parents=True)
+    (left/'model.pt').write_bytes(b'PK\x03\x04 half a checkpoint')
+    fit1(small_learner(tmp_path))
+    assert not left.exists() and intact(tmp_path/'models'/'run')
 
 def test_a_fit_that_raised_is_resumed_by_the_next_one_in_the_session(tmp_path):
     "In one session (a notebook): a fit that raised mid-epoch is the one the next fit resumes, exactly; a fit that ended is not"
