@@ -132,24 +132,29 @@ _INDEX_GLOBALS = {
     ('torch', 'Size'), *[('torch', n) for n,v in vars(torch).items() if isinstance(v, torch.dtype)],
     *[('pathlib', n) for n in ('PosixPath', 'WindowsPath', 'PurePosixPath', 'PureWindowsPath')]}
 
+def _refused(why:str, cls:type=ValueError)->Exception:
+    "The error for an index that is not one `save_sharded` wrote; `why`: its message without the link"
+    e = cls(linked(why, 'sharded-unreadable')); e.why = why
+    return e
+
 class _IndexUnpickler(pickle.Unpickler):
     "Unpickles DCP's index: a global not in `_INDEX_GLOBALS` is refused before it is looked up"
     def __init__(self, f, path): super().__init__(f, fix_imports=False); self.path = path
     def find_class(self, module, name):
         if (module, name) in _INDEX_GLOBALS: return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{self.path} is refused: its pickle calls {module}.{name}, which is not part "
-                                     "of DCP's index of tensors (nothing of the file was run)")
+        raise _refused(f"{self.path} is refused: its pickle calls {module}.{name}, which is not part of DCP's index of "
+                       "tensors (nothing of the file was run)", pickle.UnpicklingError)
 
 def _read_index(path:Path)->dcp.Metadata:
     "DCP's index at `path` read as data: its classes (`_IndexUnpickler`), its entries tensors, its files the folder's"
     with open(path, 'rb') as f: md = _IndexUnpickler(f, path).load()
-    if not isinstance(md, dcp.Metadata): raise ValueError(f"{path} is not DCP's index (a {type(md).__name__})")
+    if not isinstance(md, dcp.Metadata): raise _refused(f"{path} is not DCP's index (a {type(md).__name__})")
     bad = [k for k,v in md.state_dict_metadata.items() if not isinstance(v, dcp.TensorStorageMetadata)]
-    if bad: raise ValueError(f"{path} is refused: its entry {bad[0]!r} is not a tensor")
+    if bad: raise _refused(f"{path} is refused: its entry {bad[0]!r} is not a tensor")
     for s in (md.storage_data or {}).values():
         f = getattr(s, 'relative_path', None)
         if not isinstance(f, str) or f in ('', '.', '..') or os.path.basename(f) != f or '\\' in f:
-            raise ValueError(f"{path} is refused: it points to {f!r}, which is not a file of its folder")
+            raise _refused(f"{path} is refused: it points to {f!r}, which is not a file of its folder")
     return md
 
 class _DataReader(dcp.FileSystemReader if dcp else object):
@@ -196,7 +201,9 @@ def _read_meta(folder:Path, kind:str|None)->tuple:
 def _index_error(folder:Path, meta:dict)->tuple|None:
     "Why DCP's index cannot be read as data, or does not hold the tensors `sharded.json` names (message, kind); or None"
     try: index = _read_index(folder/'.metadata').state_dict_metadata
-    except Exception as e: return f"Cannot load the sharded checkpoint {folder}: {type(e).__name__}: {e}",'unreadable'
+    except Exception as e:
+        why = getattr(e, 'why', f'{type(e).__name__}: {e}')
+        return f"Cannot load the sharded checkpoint {folder}: {why}",'unreadable'
     bad = [k for k,v in meta['tensors'].items() if k not in index or list(index[k].size) != v['shape']]
     if bad: return (f"Cannot load the sharded checkpoint {folder}: DCP's index (.metadata) and {META} disagree on "
                     f"{bad[0]}", 'unreadable')
