@@ -4,7 +4,7 @@
 
 # %% ../nbs/patches.ipynb #69b31e6d
 from __future__ import annotations
-import contextlib, copyreg, functools, os, sys, time, types, weakref
+import contextlib, copyreg, functools, operator, os, sys, time, types, weakref
 import fastai, fastai.learner
 from typing import Protocol
 from fastai.basics import *
@@ -89,11 +89,13 @@ def accum_logger(learn:Learner, # The Learner whose callbacks to look through
 
 # %% ../nbs/patches.ipynb #393997f2
 class _Fit:
-    "What one Learner's fit has taken over: its owners, and the instance attributes set on its callbacks and loaders"
-    def __init__(self, cls): self.cls,self.owners,self.installed = cls,{},[]
+    "What one Learner's fit has taken over: its owners, the instance attributes set on its callbacks and loaders, its error"
+    def __init__(self, cls): self.cls,self.owners,self.installed,self.error = cls,{},[],None
     def set(self, o, name:str, value):
         "Give `o` the instance attribute `name` for the fit (a callback's or a loader's method): removed when the fit ends"
         d = vars(o)
+        cur = d.get(name)
+        if type(cur) is _BeforeFit and cur.fit is self: cur.inner = value; return True # called inside the fit's watch
         if name in d: return False # the instance has its own: left as it is
         d[name] = value
         self.installed.append((o, name, value))
@@ -102,6 +104,30 @@ class _Fit:
         for o,name,value in reversed(self.installed):
             if vars(o).get(name) is value: del vars(o)[name]
         self.installed = []
+    def failed(self, e:BaseException):
+        "Note `e`, an error leaving the fit's events or epochs: fastai's `fit` then ends in `remove_cbs`, with no `after_fit`"
+        if self.error is None and not isinstance(e, _CANCELS): self.error = e # fastai's cancels end in `after_fit`
+    def watch_before_fit(self, learn, owner):
+        "The `before_fit` of the callbacks fastai calls after `owner`'s, watched for the fit's error (see `_BeforeFit`)"
+        later = False
+        for cb in _sorted(learn.cbs.items): # fastai's order
+            if not later: later = cb is owner; continue
+            d = cb.__dict__
+            if 'before_fit' not in d and hasattr(type(cb), 'before_fit'):
+                w = d['before_fit'] = _BeforeFit(self, cb.before_fit)
+                self.installed.append((cb, 'before_fit', w))
+
+class _BeforeFit:
+    "A callback's `before_fit`, for the fit: an error it raises ends the fit before any event the fit class dispatches"
+    def __init__(self, fit:_Fit, own): self.fit,self.own,self.inner = fit,own,None # `inner`: a method set for the fit
+    def __call__(self):
+        try: return (self.inner or self.own)()
+        except BaseException as e: self.fit.failed(e); raise
+
+def _failed(learn, e:BaseException):
+    "Note `e` as the error of `learn`'s fit, if it has one"
+    fit = learn.__dict__.get('_fxa_fit')
+    if fit is not None: fit.failed(e)
 
 def _fit_of(learn)->_Fit|None: return vars(learn).get('_fxa_fit')
 
@@ -171,6 +197,7 @@ def take_over(learn:Learner, # The Learner whose fit starts
     if fit is None:
         vars(learn)['_fxa_fit'] = fit = _Fit(cls)
         learn.__class__ = fit_class(cls)
+        fit.watch_before_fit(learn, owner)
     if sum(o is owner for o in learn.cbs) > 1: # the fit class's `remove_cbs` leaves it attached as it was
         raise ValueError(linked(f"This {type(owner).__name__} is passed to `fit(cbs=...)` but is already attached to the Learner "
                                 "(`Learner(cbs=...)` or `add_cb`): it would count every micro-batch twice. Pass it once", 'two-accumulations'))
@@ -214,14 +241,19 @@ def _on_device(learn:Learner, b):
             else: return b
     return learn._set_device(b)
 
-def _raised(learn:Learner, e:BaseException):
-    "A fit that raised `e`: everything given back, the other processes stopped and told why (`failfast`); raise"
+def _fit_failed(learn:Learner, e:BaseException):
+    "A fit that raised `e`: everything given back, the other processes stopped and told why (`failfast`); a peer's error raised"
     __tracebackhide__ = True
     give_back(learn, e)
     peer = stop_peers(e, learn.model)
     if isinstance(learn.model, nn.parallel.DistributedDataParallel) and not torch.distributed.is_initialized():
         learn.model = learn.model.module # the group is gone with its DDP wrapper: the plain model, as fastai's `after_fit` gives it back
     if peer is not None: raise peer from e
+
+def _raised(learn:Learner, e:BaseException):
+    "`_fit_failed`, then raise `e`"
+    __tracebackhide__ = True
+    _fit_failed(learn, e)
     raise e
 
 class FitTakeover:
@@ -265,8 +297,17 @@ class FitTakeover:
         "fastai's; an event's name goes straight to the fit's dispatch"
         __tracebackhide__ = True
         p = _dispatch(self, event_name) if self._fast_dispatch and isinstance(event_name, str) else None
-        if p is None: return super().__call__(event_name)
-        p(self.cbs.items, event_name)
+        try:
+            if p is None: return super().__call__(event_name)
+            p(self.cbs.items, event_name)
+        except BaseException as e: _failed(self, e); raise # the fit's end, where it leaves the fit (`remove_cbs`)
+
+    @takes_over('Learner._do_epoch', "an error leaving an epoch noted as the fit's: fastai's `fit` then ends in `remove_cbs`")
+    def _do_epoch(self):
+        "fastai's `_do_epoch`; an error it raises is the fit's (see `remove_cbs`)"
+        __tracebackhide__ = True
+        try: return super()._do_epoch()
+        except BaseException as e: _failed(self, e); raise
 
     @takes_over('Learner._call_one', "callbacks called at each event without resolving the events they lack again; "
                 "everything given back after `after_fit`")
@@ -282,22 +323,23 @@ class FitTakeover:
         if p is None: return super()._call_one(event_name)
         p(self.cbs.items, event_name)
 
-    @takes_over('Learner.remove_cbs', "fastai's `fit` removes its callbacks in a `finally`: a fit that raised is given back there, "
-                "with no window's gradients left behind and the other processes stopped")
+    @takes_over('Learner.remove_cbs', "fastai's `fit` removes its callbacks in a `finally`: a fit that raised (an error "
+                "left its events or epochs) is given back there, with no window's gradients left and the other processes stopped")
     def remove_cbs(self, cbs):
         "fastai's `remove_cbs`; at the end of a fit that raised, everything given back, and other processes told (`failfast`)"
         __tracebackhide__ = True
-        e = sys.exc_info()[1]
         kept = [cb for cb in L(cbs) if sum(o is cb for o in self.cbs) > 1] # passed to `fit` and attached: it stays attached
         try: return super().remove_cbs(cbs)
         finally:
             for cb in kept: cb.learn = self; setattr(self, cb.name, cb)
-            if e is not None and _fit_of(self) is not None: _raised(self, e)
+            fit = _fit_of(self)
+            if fit is not None and fit.error is not None: _fit_failed(self, fit.error) # the error goes on as fastai raised it
 
     @takes_over('Learner.__reduce_ex__', "pickled during the fit (`export` from a callback), the Learner is its own class")
     def __reduce_ex__(self, protocol):
         "The Learner pickled as its own class, without what the fit took over: the file loads where this library is not installed"
-        state = {k:v for k,v in self.__dict__.items() if k != '_fxa_fit'}
+        state = self.__getstate__() # fastai's `Learner.__getstate__` (without the lock), or its subclass's
+        if isinstance(state, dict) and '_fxa_fit' in state: state = {k:v for k,v in state.items() if k != '_fxa_fit'}
         return (copyreg._reconstructor, (self._fastai_class, object, None), state)
 
 # %% ../nbs/patches.ipynb #7c6522bf
@@ -394,6 +436,12 @@ _SKIP,_OWN,_FASTAI = 0,1,2 # how a callback is called at an event: not at all, i
 _M = object()
 
 def _order(o): return getattr(o, 'order', 0) # `L.sorted('order')`'s key
+_by_order = operator.attrgetter('order') # the same, without a Python call per item, where every item has an `order`
+
+def _sorted(items:list)->list:
+    "`items` sorted as fastai's `L.sorted('order')` sorts them"
+    try: return sorted(items, key=_by_order)
+    except AttributeError: return sorted(items, key=_order)
 
 def _plain(cb)->bool:
     "Whether `cb` is called by fastai's `Callback.__call__` and its missing attributes fall through to the Learner as `GetAttr`'s do"
@@ -438,7 +486,9 @@ class _Dispatch:
     def __call__(self, items:list, event_name:str):
         "fastai's `_call_one` and `Callback.__call__`: the same callbacks, in the same order, with the same run checks"
         __tracebackhide__ = True
-        order = sorted(items, key=_order) # re-read at each event: a callback added or removed is seen from the next
+        # re-read at each event: a callback added or removed is seen from the next
+        try: order = sorted(items, key=_by_order)
+        except AttributeError: order = sorted(items, key=_order)
         if order != self.order: self.order,self.hows = order,{}
         hows = self.hows.get(event_name)
         if hows is None: hows = self.hows[event_name] = [_how(cb, event_name) for cb in order]
@@ -619,17 +669,30 @@ def _format_config_value(v):
     if not isinstance(v, (Learner, Callback)): return v
     args = {k:o for k,o in _init_args(v).items() if not (isinstance(v, Learner) and k in ('dls','model','cbs'))}
     if not args: return str(v) if isinstance(v, Callback) else v
-    return {**sys.modules['fastai.callback.wandb']._format_config(args), '_name': v}
+    return {**_format_config(args), '_name': v}
+
+def _format_config(config:dict)->dict:
+    "fastai's `_format_config` with the value formatter above, into a new dict"
+    return {k:_format_config(v) if isinstance(v, dict) else _format_config_value(v) for k,v in config.items()}
 
 @adapts('fastai.callback.wandb', 'WandbCallback', 'before_fit', "a config fastcore 2 can format (fastai 2.8.12's `WandbCallback` "
-        "crashes in `before_fit` on fastcore 2: its module's `_format_config_value` is fastcore 2's for that call only)")
+        "crashes in `before_fit` on fastcore 2): the config formatted and logged here, fastai's module untouched")
 def _wandb_before_fit(self, acc):
-    "fastai's `before_fit`, with a config formatter that works on fastcore 1 and 2"
+    "fastai's `before_fit`; on fastcore 2, the Learner's config formatted here (fastai's formatter fails there) and logged after it"
     mod = sys.modules['fastai.callback.wandb']
-    own = mod._format_config_value
-    if 'init_args' in getattr(own, '__code__', types.SimpleNamespace(co_names=())).co_names: mod._format_config_value = _format_config_value
+    if 'init_args' not in getattr(mod._format_config_value, '__code__', types.SimpleNamespace(co_names=())).co_names:
+        return mod.WandbCallback.before_fit(self)
+    d,gather,args = vars(self.learn),self.learn.gather_args,[]
+    def _gather(): args.append(gather()); return {} # fastai formats and logs an empty config: this Learner's, for this call
+    own = d.get('gather_args', _M)
+    d['gather_args'] = _gather
     try: mod.WandbCallback.before_fit(self)
-    finally: mod._format_config_value = own
+    finally:
+        if own is _M: d.pop('gather_args', None)
+        else: d['gather_args'] = own
+    if not args: return # fastai's `before_fit` returned before the config (`lr_find`, a process other than 0)
+    try: mod.wandb.config.update(_format_config(args[0]), allow_val_change=True)
+    except Exception as e: print(f'WandbCallback could not log config parameters -> {e}') # as fastai's
 
 @adapts('fastai.callback.wandb', 'WandbCallback', 'before_batch', "times each window")
 def _wandb_before_batch(self, acc):

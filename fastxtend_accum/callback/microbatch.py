@@ -23,6 +23,7 @@ def split_sizes(n:int, # Samples in the batch
                 micro_bs:int, # Largest micro-batch allowed
                )->list[int]:
     "Sizes of the fewest micro-batches of at most `micro_bs` samples that make a batch of `n`, as equal as they can be"
+    if n == 0: return [] # a batch of 0 samples (fastai trains through it): no micro-batch
     k = -(-n//micro_bs)
     return [n//k + (i < n%k) for i in range(k)]
 
@@ -214,7 +215,7 @@ class MicroBatching(BatchSplitter):
         if r.auto is not None and r.auto.pending: # the training set is read on one process only: all of them must count alike
             r.counter = r.auto.counter(learn.loss_func, xb, yb, self.dl if self.sync.world_size == 1 else None, final=True)
         n = find_bs(yb)
-        if self.ref_bs is None: self.ref_bs = n # the batch size 'fastest' times, and that 'auto' reports
+        if self.ref_bs is None and n: self.ref_bs = n # the batch size 'fastest' times, and that 'auto' reports
         timed = self._timed(n)
         if timed: t0 = self._now()
         had_oom,self._autocast_open = False,self._mp is not None # `MixedPrecision.before_batch` opened autocast
