@@ -1,6 +1,7 @@
 """The programs users write around a fit behave as with fastai alone: a Learner pickled from a callback mid-fit, a fit
 started inside an `except` block (a retry), W&B's config logged without touching fastai's module, a batch of 0 samples."""
-import os, pickle, sys
+
+import os, pickle
 import pytest
 os.environ.update(WANDB_MODE='offline', WANDB_SILENT='true')
 from fastai.basics import *
@@ -22,7 +23,9 @@ class PickleMidFit(Callback):
 def test_pickle_mid_fit(kind):
     "fastai's `Learner.__getstate__` leaves out the lock: pickled mid-fit, the Learner loads back as its own class"
     cb = PickleMidFit()
-    learn = digits_learner(16 if kind == 'GradientAccumulation' else 64, n_train=256, cbs=[cb] + ([] if kind == 'none' else [_accum(kind)]))
+    learn = digits_learner(
+        16 if kind == 'GradientAccumulation' else 64, n_train=256, cbs=[cb] + ([] if kind == 'none' else [_accum(kind)])
+    )
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     back = pickle.loads(cb.blob)
     assert type(back) is Learner and '_fxa_fit' not in vars(back)
@@ -56,9 +59,11 @@ def test_fit_that_raised_is_given_back(kind):
     for cb,at in ((FailsInBeforeFit(), 'before_fit'), (None, 'epoch')):
         learn = digits_learner(16 if kind == 'GradientAccumulation' else 64, n_train=256)
         if cb is None: learn.loss_func = lambda *a: 1/0
-        try: raise KeyError('handled')
+        try:
+            raise KeyError('handled')
         except KeyError:
-            with pytest.raises((ValueError, ZeroDivisionError)), learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=[_accum(kind)] + ([cb] if cb else []))
+            with pytest.raises((ValueError, ZeroDivisionError)), learn.no_bar(), learn.no_logging():
+                learn.fit(1, cbs=[_accum(kind)] + ([cb] if cb else []))
         assert type(learn) is Learner and '_fxa_fit' not in vars(learn), at
         assert all(not vars(o).get('accumulating') and not vars(o).get('taking_batches') for o in learn.cbs)
         assert all('before_fit' not in vars(o) for o in learn.cbs) # nothing set for the fit stays
@@ -86,7 +91,9 @@ class EmptiesABatch(Callback):
     "Empties the 2nd training batch (0 samples), as a filter dropping every sample of a batch would"
     order = -100
     def before_batch(self):
-        if self.training and self.iter == 1: self.learn.xb,self.learn.yb = tuple(o[:0] for o in self.xb),tuple(o[:0] for o in self.yb)
+        if self.training and self.iter == 1:
+            self.learn.xb, self.learn.yb = tuple(o[:0] for o in self.xb), tuple(o[:0] for o in self.yb)
+
 
 @pytest.mark.parametrize('micro_bs', [None, 4, 'auto', 'fastest'])
 def test_a_batch_of_0_samples(micro_bs):
