@@ -12,7 +12,7 @@ from datetime import timedelta
 def _free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
-def _watch(kind, port, ranks, world, start, q):
+def _watch(kind, port, ranks, world, q):
     "One simulated node: a store client per rank; each watches as `kind` does; report (requests before the news, wake latency)"
     import threading
     import torch.distributed as dist
@@ -35,9 +35,9 @@ def _watch(kind, port, ranks, world, start, q):
         # the requests made before the news (the last: the failure's, after)
         with lock: stats.append((w.requests-1, t0, t))
     f = polling if kind == 'polling' else blocking
-    while time.time() < start: time.sleep(.01)
     ts = [threading.Thread(target=f, args=(s, r), daemon=True) for s,r in zip(stores, ranks)]
     for t in ts: t.start()
+    q.put('ready')
     for t in ts: t.join()
     q.put(stats)
 
@@ -46,20 +46,19 @@ def measure(kind, n, seconds, workers):
     from fastxtend_accum import failfast as F
     port = _free_port()
     server = dist.TCPStore('127.0.0.1', port, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
-    ctx,q = mp.get_context('spawn'),None
+    ctx = mp.get_context('spawn')
     q = ctx.Queue()
-    start = time.time() + 15  # the workers import torch first
-    ps = [
-        ctx.Process(target=_watch, args=(kind, port, list(range(w, n, workers)), n, start, q)) for w in range(workers)
-    ]
+    ps = [ctx.Process(target=_watch, args=(kind, port, list(range(w, n, workers)), n, q)) for w in range(workers)]
     for p in ps: p.start()
-    time.sleep(max(0, start - time.time()) + seconds) # each watcher's rate: over its own time before the news
+    for _ in ps: assert q.get(timeout=300) == 'ready' # every watcher runs
+    time.sleep(seconds) # each watcher's rate: over its own time before the news
     t_news = time.time()
     F._news(server, 0, '1\tValueError: a bad batch') # what a failing process writes
     stats = [s for _ in ps for s in q.get(timeout=120)]
     for p in ps: p.join(timeout=30)
     assert len(stats) == n
-    return dict(n=n, kind=kind, per_s=sum(r/(t_news-t0) for r,t0,_ in stats), wake=max(t for *_,t in stats) - t_news)
+    return dict(n=n, kind=kind, per_s=sum(r/(t_news-t0) for r,t0,_ in stats), total=sum(r for r,*_ in stats),
+                wake=max(t for *_,t in stats) - t_news)
 
 if __name__ == '__main__':
     ap = argparse.ArgumentParser()

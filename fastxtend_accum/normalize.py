@@ -297,7 +297,7 @@ class AutoNormalize:
         elif new and type(c) is TokenCount:
             # the targets per sample of this micro-batch (one sync per loss, not per fit): the windows' rho is then a
             # number,
-            # known on the host (`window.Windows.ref`); any rho is exact, this one keeps the weights near
+            # known on the host (`window.WindowState.ref`); any rho is exact, this one keeps the weights near
             # samples/accum_bs
             n,bs = float(c(xb, yb)),find_bs(yb)
             self.rate = n/bs if bs else None

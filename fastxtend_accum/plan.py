@@ -147,11 +147,11 @@ def _zero_loss(pred):
 
 class BatchSplitter(LeftOutOfExport, Callback):
     """What `GradientAccumulation` and `MicroBatching` share: one Learner at a time, nothing left behind when detached, and
-    the wiring of the window engine (`window.Windows`) into fastai: the engine's sync, the weighted backward"""
+    the wiring of the window engine (`window.WindowState`) into fastai: the engine's sync, the weighted backward"""
     _learn,splits_batches,accumulating = None,True,False
     # the Learner methods it takes over for its fit (`patches.take_over`): a subclass must not override them
     takes_over = ()
-    windows:Windows # the window engine: its state and arithmetic (`window`)
+    windows:WindowState # the window engine: its state and arithmetic (`window`)
     @property
     def counter(self):
         "What the micro-batches' items are counted by (what `normalize_by='auto'` read)"

@@ -11,7 +11,7 @@ from .messages import linked, batchnorm_message
 
 # %% auto #0
 __all__ = ['MAX_SIZE', 'fills', 'check_size', 'WindowPlan', 'Window', 'scale_grads', 'ProcessesDisagree', 'raised_everywhere',
-           'window_key', 'window_totals', 'window_ref', 'Windows', 'plans_agree']
+           'window_key', 'window_totals', 'window_ref', 'WindowState', 'plans_agree']
 
 # %% ../nbs/window.ipynb #a22c95d6
 def fills(seen:int, # Samples the window has been given so far (cancelled micro-batches too)
@@ -244,7 +244,7 @@ def window_ref(target:int, # Samples expected in the window
     if rate is None: return (items*(target/samples)).clamp(min=1) if isinstance(items, Tensor) else max(items*target/samples, 1)
     return (rate*target).clamp(min=1) if isinstance(rate, Tensor) else max(rate*target, 1)
 
-class Windows:
+class WindowState:
     "A fit's accumulation state, by lifetime: what one callback holds besides its parameters (no fastai here)"
     # across fits
     warned:set             # one-time messages already given

@@ -49,7 +49,7 @@ class GradientAccumulation(BatchSplitter):
         self.global_bs,self.drop_last = check_bool('global_bs', global_bs),check_bool('drop_last', drop_last, none_ok=True)
         self.verbose = check_bool('verbose', verbose)
         item_counter(normalize_by) # a bad value fails here, not in the fit
-        self.normalize_by,self.grad_sync,self.windows = normalize_by,check_grad_sync(grad_sync),Windows()
+        self.normalize_by,self.grad_sync,self.windows = normalize_by,check_grad_sync(grad_sync),WindowState()
         # 'auto': the counter is read from each epoch's loss
         self.windows.auto = auto_normalize(normalize_by, type(self).__name__, self.verbose)
         # see `precision`
@@ -302,7 +302,7 @@ class GradientAccumulation(BatchSplitter):
         if r.checks_counts and not w.sum_reduced and w.items_min is not None: # a user's counts: one sync per step
             w.settle()
             check_counts(self.normalize_by, w.items_min, w.items)
-        # its totals over processes, the next rho, its loss, and its exact gradient (`Windows.close`)
+        # its totals over processes, the next rho, its loss, and its exact gradient (`WindowState.close`)
         held = r.close(window_key(self.epoch, r.i_window), self._grads)
         if not held: return self._abandon_window() # over all processes, every micro-batch was cancelled
         if 'size' not in r.warned and r.overfilled(): self._warn_once('size', small_accum_message(r.window_bs, r.mb_samples,

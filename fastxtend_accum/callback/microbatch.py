@@ -142,7 +142,7 @@ class MicroBatching(BatchSplitter):
             try: micro_bs = check_positive_int('micro_bs', micro_bs)
             except ValueError: raise ValueError(linked(f"`micro_bs` must be a positive integer, 'auto' or 'fastest', got {micro_bs!r}", 'arguments')) from None
         # the window engine (`window`): a batch is a window
-        self.micro_bs,self.normalize_by,r = micro_bs,normalize_by,Windows()
+        self.micro_bs,self.normalize_by,r = micro_bs,normalize_by,WindowState()
         r.counter,r.sync = item_counter(normalize_by),WindowSync()
         self.n_timed,self.n_candidates = check_positive_int('n_timed', n_timed),check_positive_int('n_candidates', n_candidates)
         self.keep_pred,self.verbose = check_bool('keep_pred', keep_pred),check_bool('verbose', verbose)
@@ -295,7 +295,7 @@ class MicroBatching(BatchSplitter):
             if mix is not None: mix.restore()
 
     def _close(self, w:Window|None):
-        "The batch's loss over all processes, and its gradient made the exact mean over what did backward (`Windows.close`)"
+        "The batch's loss over all processes, and its gradient made the exact mean over what did backward (`WindowState.close`)"
         learn,r = self.learn,self.windows
         # one process, one micro-batch: a 16-bit model's sums, rounded
         if w is None: return self.fgrads.to_grads(None, self.sync)
