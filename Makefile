@@ -18,7 +18,7 @@ TORCH_INDEX ?=
 # $(call torch,ENV,PINS): PINS (pip arguments) from the index tools/torch_index.py picks
 torch = opts=$$($(PY) tools/torch_index.py "$(TORCH_INDEX)") && $(1)/bin/pip install -qq $$opts $(2)
 
-.PHONY: env check-locks check-pins demo test test-quick export check-export notebooks readme check-readme check-wheel docs nbtest pytest bench clean
+.PHONY: env check-locks check-pins lint demo test test-quick export check-export notebooks readme check-readme check-wheel docs nbtest pytest bench clean
 
 env: $(NBDEV_ENV)/.installed $(USER_ENV)/.installed
 
@@ -54,6 +54,10 @@ check-locks: env
 # What `make test` runs: every pin listed on plain PyPI (seconds); `make check-locks` resolves them in full (minutes)
 check-pins:
 	$(PY) tools/check_locks.py --quick
+
+# ruff, configured in ruff.toml: unused imports, undefined names, lines over 120 characters
+lint: $(USER_ENV)/.installed
+	$(USER_ENV)/bin/ruff check fastxtend_accum tests bench tools demo
 
 demo: $(USER_ENV)/.installed
 	$(USER_ENV)/bin/python demo/digits.py --out demo/out
@@ -131,7 +135,7 @@ test-quick: $(USER_ENV)/.installed
 	$(USER_ENV)/bin/python $(PYTEST) -m 'not slow and not multiprocess'
 
 # the checks that rewrite files (export, readme) first; then the notebooks and the pytest processes, $(JOBS) at a time
-test: env check-pins check-export check-readme check-wheel
+test: env check-pins lint check-export check-readme check-wheel
 	mkdir -p $(WANDB_DIR)
 	$(USER_ENV)/bin/python tools/jobs.py -j $(JOBS) "$(PYTEST_USERS_MP)" "$(NBTEST)" "$(PYTEST_USERS)" "$(PYTEST_NBDEV)"
 

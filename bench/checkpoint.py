@@ -172,7 +172,8 @@ def main(argv=None):
         from ddp_worker import exit_worker
         worker(a); exit_worker()
     start = time.perf_counter()
-    res = dict(machine=machine(), config=dict(hidden=a.hidden, layers=a.layers, quick=a.quick), **measure(a, QUICK_RUNS if a.quick else RUNS))
+    config = dict(hidden=a.hidden, layers=a.layers, quick=a.quick)
+    res = dict(machine=machine(), config=config, **measure(a, QUICK_RUNS if a.quick else RUNS))
     res['seconds'] = time.perf_counter()-start
     text,md = report(res)
     print(text)

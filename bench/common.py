@@ -1,4 +1,5 @@
 """What the benchmarks share: the data, the models, a loader that slices tensors, the machine's description, result files"""
+
 from __future__ import annotations
 import json, os, platform, socket, statistics, subprocess, sys, time
 from pathlib import Path
@@ -90,9 +91,11 @@ def machine()->dict:
 
 def describe(info:dict)->str:
     gpu = f", GPU {info['gpu']}" if 'gpu' in info else ''
-    return (f"{info['cpu']}, {info.get('cores_available', info['cpu_count'])} cores available ({info['cpu_count']} in all){gpu}; "
-            f"torch {info['torch']} ({info['torch_threads']} thread(s)), fastai {info['fastai']}, fastcore {info['fastcore']}, "
-            f"Python {info['python']}; load average {info.get('load_avg')} at the start")
+    return (
+        f"{info['cpu']}, {info.get('cores_available', info['cpu_count'])} cores available ({info['cpu_count']} in all){gpu}; "
+        f"torch {info['torch']} ({info['torch_threads']} thread(s)), fastai {info['fastai']}, fastcore {info['fastcore']}, "
+        f"Python {info['python']}; load average {info.get('load_avg')} at the start"
+    )
 
 def spread(xs)->dict:
     "Median, min and max of `xs`"
@@ -104,7 +107,10 @@ def grouped_median_ci(groups, level=0.95, n=2000, seed=0)->list:
     (seeded): where the groups differ among themselves more than their figures do (one process each), the interval says so"""
     import random
     groups,rng = [list(g) for g in groups if len(g)],random.Random(seed)
-    ms = sorted(statistics.median([x for g in rng.choices(groups, k=len(groups)) for x in rng.choices(g, k=len(g))]) for _ in range(n))
+    ms = sorted(
+        statistics.median([x for g in rng.choices(groups, k=len(groups)) for x in rng.choices(g, k=len(g))])
+        for _ in range(n)
+    )
     return [ms[int(n*(1-level)/2)], ms[min(n-1, int(n*(1+level)/2))]]
 
 def md_table(headers, rows)->str:
@@ -145,7 +151,17 @@ def free_port()->int:
 def torchrun_worker(script:str, argv:list, threads:int, timeout:int=1800)->int:
     "Run `script --worker *argv` on 2 processes under torchrun (no restarts, bounded by `timeout` seconds): its return code"
     args = [a for a in argv if a != '--worker']
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max_restarts=0', '--master_addr=127.0.0.1',
-           f'--master_port={free_port()}', script, '--worker', *args]
+    cmd = [
+        sys.executable,
+        '-m',
+        'torch.distributed.run',
+        '--nproc_per_node=2',
+        '--max_restarts=0',
+        '--master_addr=127.0.0.1',
+        f'--master_port={free_port()}',
+        script,
+        '--worker',
+        *args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS='ignore')
     return subprocess.run(cmd, env=env, timeout=timeout).returncode

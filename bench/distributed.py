@@ -36,7 +36,7 @@ def index_tensor_dl(x, y, bs:int):
     return dl
 
 def worker(a):
-    import torch, torch.distributed as dist
+    import torch.distributed as dist
     from torch import nn
     from fastai.basics import Learner, SGD, noop, DataLoaders
     from fastai.callback.progress import ProgressCallback
@@ -81,8 +81,18 @@ def worker(a):
                         ms_per_step=1e3*spread(times[v])['median']/n_steps, syncs=counts[v][0],
                         syncs_per_step=counts[v][0]/n_steps, bucket_all_reduces=counts[v][1]) for v in VARIANTS}
     ratio = spread(o/f for o,f in zip(times[OURS], times[FASTAI]))
-    res = dict(machine=machine(), accelerate=kind, config=vars(a) | dict(out=str(a.out)), world_size=2, n_params=n_params,
-               micro_batches_per_process=n_micro, steps=n_steps, variants=variants, ratio=ratio, max_param_diff=diff)
+    res = dict(
+        machine=machine(),
+        accelerate=kind,
+        config=vars(a) | dict(out=str(a.out)),
+        world_size=2,
+        n_params=n_params,
+        micro_batches_per_process=n_micro,
+        steps=n_steps,
+        variants=variants,
+        ratio=ratio,
+        max_param_diff=diff,
+    )
     text,md = report(res)
     print(text, flush=True)
     path = write_results('distributed', res, md, a.out)
@@ -90,22 +100,50 @@ def worker(a):
 
 def report(res)->tuple[str,str]:
     c = res['config']
-    head = (f"Distributed: 2 processes (torchrun, gloo, CPU, {c['threads']} torch thread(s) each), fastai's distributed "
-            f"training with {res['accelerate']}; MLP 64-{'-'.join([str(c['hidden'])]*c['layers'])}-10 "
-            f"({res['n_params']:,} float32 parameters), {c['n_train']} digits samples ({c['n_train']//2} per process), "
-            f"micro-batches of {c['micro_bs']}, accum_bs={c['accum_bs']} per process ({2*c['accum_bs']} per step), SGD; "
-            f"{c['reps']} interleaved repetitions of fit({c['epochs']}) after a warm-up round: {res['steps']} optimizer steps "
-            f"and {res['micro_batches_per_process']} micro-batches per process each.")
-    headers = ['variant', 'median s', 'min s', 'max s', 'ms / step', 'all-reducing backwards', 'per step', 'bucket all-reduces']
+    head = (
+        f"Distributed: 2 processes (torchrun, gloo, CPU, {c['threads']} torch thread(s) each), fastai's distributed "
+        f"training with {res['accelerate']}; MLP 64-{'-'.join([str(c['hidden'])] * c['layers'])}-10 "
+        f"({res['n_params']:,} float32 parameters), {c['n_train']} digits samples ({c['n_train'] // 2} per process), "
+        f"micro-batches of {c['micro_bs']}, accum_bs={c['accum_bs']} per process ({2 * c['accum_bs']} per step), SGD; "
+        f"{c['reps']} interleaved repetitions of fit({c['epochs']}) after a warm-up round: {res['steps']} optimizer steps "
+        f"and {res['micro_batches_per_process']} micro-batches per process each."
+    )
+    headers = [
+        'variant',
+        'median s',
+        'min s',
+        'max s',
+        'ms / step',
+        'all-reducing backwards',
+        'per step',
+        'bucket all-reduces',
+    ]
     rows = [[v, f"{r['median_s']:.3f}", f"{r['min_s']:.3f}", f"{r['max_s']:.3f}", f"{r['ms_per_step']:.1f}",
              r['syncs'], f"{r['syncs_per_step']:g}", r['bucket_all_reduces']] for v,r in res['variants'].items()]
     r = res['ratio']
-    line = (f"RATIO time per optimizer step: {OURS} / {FASTAI} = {r['median']:.3f}x [min {r['min']:.3f}, max {r['max']:.3f}] "
-            f"(speed-up {1/r['median']:.2f}x)")
+    line = (
+        f"RATIO time per optimizer step: {OURS} / {FASTAI} = {r['median']:.3f}x [min {r['min']:.3f}, max {r['max']:.3f}] "
+        f"(speed-up {1 / r['median']:.2f}x)"
+    )
     check = f"check max |param diff| between the variants after training: {res['max_param_diff']:.2e} (float32)"
     text = '\n'.join([head, '', text_table(headers, rows), '', line, check])
-    md = '\n'.join(['## Distributed', '', head, '', f"Machine: {describe(res['machine'])}", '', md_table(headers, rows), '',
-                    '```', line, '```', '', f'- {check}'])
+    md = '\n'.join(
+        [
+            '## Distributed',
+            '',
+            head,
+            '',
+            f"Machine: {describe(res['machine'])}",
+            '',
+            md_table(headers, rows),
+            '',
+            '```',
+            line,
+            '```',
+            '',
+            f'- {check}',
+        ]
+    )
     return text,md
 
 def main(argv=None):
@@ -113,7 +151,12 @@ def main(argv=None):
     p.add_argument('--quick', action='store_true', help='a smoke test of a few seconds: 1 repetition, a smaller model')
     p.add_argument('--reps', type=int, default=None, help='timed repetitions per variant (default 5, quick 1)')
     p.add_argument('--epochs', type=int, default=1)
-    p.add_argument('--n-train', type=int, default=None, help='samples in all (default 4096, quick 1024), split over the 2 processes')
+    p.add_argument(
+        '--n-train',
+        type=int,
+        default=None,
+        help='samples in all (default 4096, quick 1024), split over the 2 processes',
+    )
     p.add_argument('--micro-bs', type=int, default=16)
     p.add_argument('--accum-bs', type=int, default=128, help='samples per step per process')
     p.add_argument('--hidden', type=int, default=None, help='hidden units (default 1024, quick 256)')

@@ -29,7 +29,13 @@ OURS = 'fastxtend_accum'
 FASTAI = 'fastai GradientAccumulation'
 TORCH = 'PyTorch loop (accumulation)'
 VARIANTS = [LARGE, MICRO, OURS, FASTAI, TORCH]
-COMPARISONS = [(OURS, MICRO, 1.05), (FASTAI, MICRO, None), (TORCH, MICRO, None), (LARGE, MICRO, None), (OURS, LARGE, None)]
+COMPARISONS = [
+    (OURS, MICRO, 1.05),
+    (FASTAI, MICRO, None),
+    (TORCH, MICRO, None),
+    (LARGE, MICRO, None),
+    (OURS, LARGE, None),
+]
 MODELS = {'mlp': ('MLP 64-4096-10', lambda: mlp(4096, 1), False),
           'cnn': ('CNN conv(1->32, 3x3) conv(32->64, 3x3, stride 2) linear(1024->10) on 1x8x8', lambda: cnn(32), True)}
 MMAP_THRESHOLD = 65536
@@ -90,7 +96,9 @@ def child(spec:dict)->dict:
                     n_seen += len(yb)
                     if n_seen >= batch: opt.step(); opt.zero_grad(); n_seen = 0
             return run,None
-        cb = {OURS: lambda: GradientAccumulation(batch), FASTAI: lambda: FastaiGradientAccumulation(batch)}.get(variant, lambda: None)()
+        cb = {OURS: lambda: GradientAccumulation(batch), FASTAI: lambda: FastaiGradientAccumulation(batch)}.get(
+            variant, lambda: None
+        )()
         learn = Learner(dls_of(x, y, bs), model, loss_func=loss_func, opt_func=Adam, lr=1e-3,
                         cbs=[skip_validation()] + ([cb] if cb is not None else []))
         learn.remove_cb(ProgressCallback); learn.logger = noop
@@ -130,7 +138,7 @@ def set_mmap_threshold(n:int=MMAP_THRESHOLD)->bool:
 
 def preload():
     "Import what the children use, once, before forking them"
-    import torch, fastai.basics, fastai.callback.training, fastai.callback.progress, fastxtend_accum.callback.gradaccum
+    import torch, fastai.basics, fastai.callback.training, fastai.callback.progress, fastxtend_accum.callback.gradaccum  # noqa: F401 (imported for its side effects)
     from sklearn.datasets import load_digits
     load_digits()
 
@@ -196,17 +204,27 @@ def ratio_line(key, r)->str:
 
 def report(res:dict)->tuple[str,str]:
     cfg = res['config']
-    head = (f"Memory: one epoch over one batch of {cfg['batch']} digits samples (repeated), as 1 batch or as {cfg['k']} "
-            f"micro-batches of {cfg['batch']//cfg['k']}, fastai's Adam; each variant {cfg['reps']} time(s), each time in a process "
-            f"of its own ({'forked after the imports' if cfg['launch'] == 'fork' else 'a fresh interpreter'}). "
-            f"'increase' = peak - baseline after setup; MB = 2^20 bytes; medians [min, max]; ratio spreads over all pairs of repetitions.")
+    head = (
+        f"Memory: one epoch over one batch of {cfg['batch']} digits samples (repeated), as 1 batch or as {cfg['k']} "
+        f"micro-batches of {cfg['batch'] // cfg['k']}, fastai's Adam; each variant {cfg['reps']} time(s), each time in a process "
+        f"of its own ({'forked after the imports' if cfg['launch'] == 'fork' else 'a fresh interpreter'}). "
+        f"'increase' = peak - baseline after setup; MB = 2^20 bytes; medians [min, max]; ratio spreads over all pairs of repetitions."
+    )
     text,md = [head, ''],[f"## Memory\n\n{head}\n\nMachine: {describe(res['machine'])}\n"]
     headers = ['variant', 'micro-batch', 'increase MB', 'peak MB', 'baseline MB', 'x micro increase']
     for key,m in res['models'].items():
         ref = m['variants'][MICRO]['increase_mb_median']
-        rows = [[name, v['micro_bs'], f"{v['increase_mb_median']:.1f} [{v['increase_mb_min']:.1f}, {v['increase_mb_max']:.1f}]",
-                 f"{v['peak_mb_median']:.1f}", f"{statistics.median(v['baseline_mb']):.1f}",
-                 f"{v['increase_mb_median']/ref:.3f}"] for name,v in m['variants'].items()]
+        rows = [
+            [
+                name,
+                v['micro_bs'],
+                f"{v['increase_mb_median']:.1f} [{v['increase_mb_min']:.1f}, {v['increase_mb_max']:.1f}]",
+                f"{v['peak_mb_median']:.1f}",
+                f"{statistics.median(v['baseline_mb']):.1f}",
+                f"{v['increase_mb_median'] / ref:.3f}",
+            ]
+            for name, v in m['variants'].items()
+        ]
         title = f"{key}: {m['model']}, measured by {next(iter(m['variants'].values()))['method']}"
         lines = [ratio_line(key, r) for r in m['ratios']]
         text += [title, text_table(headers, rows), ''] + lines + ['']
@@ -218,14 +236,20 @@ def report(res:dict)->tuple[str,str]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--quick', action='store_true', help='a few seconds: the MLP, a batch of 1024 as 4 micro-batches, once (smoke test)')
+    p.add_argument(
+        '--quick',
+        action='store_true',
+        help='a few seconds: the MLP, a batch of 1024 as 4 micro-batches, once (smoke test)',
+    )
     p.add_argument('--batch', type=int, default=None, help='samples in the large batch (default 4096, quick 1024)')
     p.add_argument('--k', type=int, default=None, help='micro-batches it is split into (default 8, quick 4)')
     p.add_argument('--reps', type=int, default=None, help='fresh processes per variant (default 3, quick 1)')
     p.add_argument('--models', default=None, help='default mlp,cnn (quick: mlp)')
     p.add_argument('--jobs', type=int, default=2, help='processes measured at once (RSS is per process)')
     p.add_argument('--cpu', action='store_true', help='measure on the CPU even where CUDA is available')
-    p.add_argument('--spawn', action='store_true', help='fresh interpreters instead of processes forked after the imports')
+    p.add_argument(
+        '--spawn', action='store_true', help='fresh interpreters instead of processes forked after the imports'
+    )
     p.add_argument('--out', type=Path, default=RESULTS)
     p.add_argument('--child', help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -238,10 +262,21 @@ def main(argv=None):
     set_threads(1)
     info = machine()
     launch = 'spawn' if a.spawn or not hasattr(os, 'fork') or torch_cuda() else 'fork'
-    res = dict(benchmark='memory', machine=info, config=dict(batch=batch, k=k, reps=reps, quick=a.quick, cpu=a.cpu, launch=launch,
-               malloc_mmap_threshold=MMAP_THRESHOLD), models={})
+    res = dict(
+        benchmark='memory',
+        machine=info,
+        config=dict(
+            batch=batch, k=k, reps=reps, quick=a.quick, cpu=a.cpu, launch=launch, malloc_mmap_threshold=MMAP_THRESHOLD
+        ),
+        models={},
+    )
     start = time.perf_counter()
-    specs = [dict(model=m, variant=v, batch=batch, k=k, rep=r, cpu=a.cpu) for m in models for r in range(reps) for v in VARIANTS]
+    specs = [
+        dict(model=m, variant=v, batch=batch, k=k, rep=r, cpu=a.cpu)
+        for m in models
+        for r in range(reps)
+        for v in VARIANTS
+    ]
     jobs = max(1, a.jobs)
     if a.spawn or not hasattr(os, 'fork') or torch_cuda():
         with ThreadPoolExecutor(jobs) as ex: runs = list(ex.map(spawn, specs))

@@ -18,7 +18,7 @@ out-of-memory error above `--simulate` samples (no peak memory): a check of the 
     python bench/microbatch_gpu.py --amp --budget-gib 4  # fastai's MixedPrecision (fp16)
 """
 from __future__ import annotations
-import argparse, gc, math, statistics, sys, time, warnings
+import argparse, gc, math, sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
@@ -34,9 +34,13 @@ def parse_args(argv=None):
     p.add_argument('--budget-gib', type=float, default=2., help='GPU memory cap for the process, GiB')
     p.add_argument('--steps', type=int, default=30, help='optimizer steps per variant')
     p.add_argument('--measure', type=int, default=10, help='last steps over which samples/s is measured')
-    p.add_argument('--sizes', type=int, nargs='*', default=None, help='hand-picked micro-batch sizes (default: bs, bs/2, ..., 8)')
+    p.add_argument(
+        '--sizes', type=int, nargs='*', default=None, help='hand-picked micro-batch sizes (default: bs, bs/2, ..., 8)'
+    )
     p.add_argument('--amp', action='store_true', help="fastai's MixedPrecision (fp16 autocast and GradScaler)")
-    p.add_argument('--simulate', type=int, default=None, help='CPU check of the script: simulated OOM above this many samples')
+    p.add_argument(
+        '--simulate', type=int, default=None, help='CPU check of the script: simulated OOM above this many samples'
+    )
     return p.parse_args(argv)
 
 class FeedForward(nn.Module):
@@ -50,14 +54,17 @@ class SimulatedOOM(nn.Module):
     "For `--simulate`: raise `torch.OutOfMemoryError` on a training micro-batch of more than `limit` samples"
     def __init__(self, limit): super().__init__(); self.limit = limit
     def forward(self, x):
-        if torch.is_grad_enabled() and x.shape[0] > self.limit: raise torch.OutOfMemoryError(f'simulated: {x.shape[0]} > {self.limit}')
+        if torch.is_grad_enabled() and x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError(f'simulated: {x.shape[0]} > {self.limit}')
         return x
 
 def main(argv=None):
     args = parse_args(argv)
     sim = args.simulate is not None
     if not sim and not torch.cuda.is_available():
-        print('microbatch_gpu: no CUDA GPU here: nothing to measure (run with --simulate N to check the script on the CPU)')
+        print(
+            'microbatch_gpu: no CUDA GPU here: nothing to measure (run with --simulate N to check the script on the CPU)'
+        )
         return 0
     from fastai.basics import Learner, DataLoaders, Callback, CancelValidException, SGD
     from fastai.data.load import DataLoader
@@ -68,6 +75,7 @@ def main(argv=None):
 
     class RandomBatches(DataLoader):
         "Batches of random sequences made on the device, the same for every variant (no host-to-device copy in the timings)"
+
         def create_batches(self, samps):
             g = torch.Generator(device=dev).manual_seed(0)
             for i in range(0, self.n, self.bs):
@@ -99,7 +107,9 @@ def main(argv=None):
         dl = RandomBatches(range(args.bs*args.steps), bs=args.bs, device=dev)
         mb,timer = MicroBatching(micro_bs, verbose=False),StepTimes()
         cbs = [mb, timer, SkipValidation()] + ([MixedPrecision()] if args.amp else [])
-        learn = Learner(DataLoaders(dl, dl, device=dev), model, loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=1e-3, cbs=cbs)
+        learn = Learner(
+            DataLoaders(dl, dl, device=dev), model, loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=1e-3, cbs=cbs
+        )
         try:
             with learn.no_logging(), learn.no_bar(): learn.fit(1)
         except torch.OutOfMemoryError: return None
@@ -112,21 +122,29 @@ def main(argv=None):
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1., args.budget_gib*2**30/total))
         print(f"{torch.cuda.get_device_name(0)}, memory capped at {args.budget_gib:g} GiB of {total/2**30:.1f} GiB")
-    print(f"model: d={args.d}, d_ff={args.d_ff}, seq={args.seq}; batches of {args.bs}; {args.steps} steps, samples/s over the last "
-          f"{args.measure}; {'fp16 MixedPrecision' if args.amp else 'float32'}" + (f'; SIMULATED OOM above {args.simulate} (CPU)' if sim else ''))
+    print(
+        f"model: d={args.d}, d_ff={args.d_ff}, seq={args.seq}; batches of {args.bs}; {args.steps} steps, samples/s over the last "
+        f"{args.measure}; {'fp16 MixedPrecision' if args.amp else 'float32'}"
+        + (f'; SIMULATED OOM above {args.simulate} (CPU)' if sim else '')
+    )
     sizes = args.sizes or [args.bs >> i for i in range(int(math.log2(args.bs))+1) if args.bs >> i >= 8]
     rows = [(f'hand-picked {k}', run(k)) for k in sizes] + [("'auto'", run('auto')), ("'fastest'", run('fastest'))]
     fmt = lambda v,f: '-' if v is None else f.format(v)
     print(f"{'variant':<18}{'micro_bs':>9}{'peak MiB':>10}{'samples/s':>12}{'OOMs':>6}")
     for name,r in rows:
         if r is None: print(f"{name:<18}{'OOM':>9}"); continue
-        print(f"{name:<18}{r['micro_bs']:>9}{fmt(r['peak'] and r['peak']/2**20, '{:.0f}'):>10}{r['sps']:>12,.0f}{r['ooms']:>6}")
+        print(
+            f"{name:<18}{r['micro_bs']:>9}{fmt(r['peak'] and r['peak'] / 2**20, '{:.0f}'):>10}{r['sps']:>12,.0f}{r['ooms']:>6}"
+        )
     fast = rows[-1][1]
-    if fast and fast['throughput']: print("'fastest' timed:", ', '.join(f'{k}: {v:,.0f} samples/s' for k,v in fast['throughput'].items()))
+    if fast and fast['throughput']:
+        print("'fastest' timed:", ', '.join(f'{k}: {v:,.0f} samples/s' for k, v in fast['throughput'].items()))
     fits = [r for _,r in rows[:-2] if r is not None]
     if fits and rows[-2][1] and fast:
         best = max(fits, key=lambda r: r['sps'])
-        print(f"RATIO auto/best-hand-picked samples/s = {rows[-2][1]['sps']/best['sps']:.2f} (best hand-picked: {best['micro_bs']})")
+        print(
+            f"RATIO auto/best-hand-picked samples/s = {rows[-2][1]['sps'] / best['sps']:.2f} (best hand-picked: {best['micro_bs']})"
+        )
         print(f"RATIO fastest/best-hand-picked samples/s = {fast['sps']/best['sps']:.2f}")
     return 0
 

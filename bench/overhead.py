@@ -20,17 +20,15 @@ shared machine leaves out the time other jobs hold the cores. Prints a table and
 over repetitions of the ratio measured side by side, with its min and max, and the extra time per micro-batch), and
 writes `results/overhead.json` and `overhead.md`."""
 from __future__ import annotations
-import argparse, gc, sys, time, warnings
+import argparse, gc, os, sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import *
 
 import torch
 from torch import nn
-from contextlib import contextmanager, nullcontext
-from fastai.basics import Adam, Callback, Learner, Recorder, SGD, noop
-from fastai.callback.schedule import ParamScheduler
-from fastai.data.load import DataLoader as FastaiDataLoader
+from contextlib import contextmanager
+from fastai.basics import Adam, Callback, Learner, SGD, noop
 from fastai.callback.progress import ProgressCallback
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
@@ -48,13 +46,24 @@ TORCH = 'PyTorch loop (accumulation)'
 TORCH_DL = 'PyTorch loop over the fastai loader'
 VARIANTS = [NO_ACCUM, FASTAI, OURS_LOG, OURS_NOLOG, OURS_SAMPLES, MICRO, MICRO_SAMPLES, TORCH, TORCH_DL]
 # (variant, reference, target): the variant's time over the reference's, measured side by side; None: no target, shown
-COMPARISONS = [(OURS_LOG, FASTAI, 1.02), (OURS_NOLOG, FASTAI, 1.02), (OURS_LOG, NO_ACCUM, 1.0), (OURS_NOLOG, NO_ACCUM, 1.0),
-               (FASTAI, NO_ACCUM, None), (OURS_LOG, OURS_NOLOG, None),
-               (TORCH, NO_ACCUM, None), (MICRO, OURS_LOG, None), (MICRO, NO_ACCUM, None), (TORCH_DL, NO_ACCUM, None),
-               (TORCH, TORCH_DL, None),
-               # the default normalize_by='auto' on a classifier's CrossEntropyLoss counts its non-ignored targets (read from the loss)
-               # (exact if a target is ever -100), against counting samples: what 'auto' costs where it changes nothing
-               (OURS_LOG, OURS_SAMPLES, None), (MICRO, MICRO_SAMPLES, None)]
+COMPARISONS = [
+    (OURS_LOG, FASTAI, 1.02),
+    (OURS_NOLOG, FASTAI, 1.02),
+    (OURS_LOG, NO_ACCUM, 1.0),
+    (OURS_NOLOG, NO_ACCUM, 1.0),
+    (FASTAI, NO_ACCUM, None),
+    (OURS_LOG, OURS_NOLOG, None),
+    (TORCH, NO_ACCUM, None),
+    (MICRO, OURS_LOG, None),
+    (MICRO, NO_ACCUM, None),
+    (TORCH_DL, NO_ACCUM, None),
+    (TORCH, TORCH_DL, None),
+    # the default normalize_by='auto' on a classifier's CrossEntropyLoss counts its non-ignored targets (read
+    # from the loss)
+    # (exact if a target is ever -100), against counting samples: what 'auto' costs where it changes nothing
+    (OURS_LOG, OURS_SAMPLES, None),
+    (MICRO, MICRO_SAMPLES, None),
+]
 
 MODELS = {'mlp': ('MLP 64-128-128-10', lambda: mlp(128, 2), False),
           'cnn': ('CNN conv(1->16, 3x3) conv(16->32, 3x3, stride 2) linear(512->10) on 1x8x8', lambda: cnn(16), True)}
@@ -62,11 +71,17 @@ MODELS = {'mlp': ('MLP 64-128-128-10', lambda: mlp(128, 2), False),
 @contextmanager
 def fastai_as_shipped(names=None):
     "fastai's own code where an accumulating fit's class would take it over: the event dispatch (`__call__`, `_call_one`), the item path (`all_batches`, `create_batches`); all if `names` is None"
-    from fastxtend_accum.patches import FAST
-    parts,saved = {'dispatch': {'__call__', '_call_one'}, 'items': {'all_batches', 'create_batches'}},dict(FAST)
-    FAST.update({k: False for k,v in parts.items() if names is None or v & set(names)})
+    parts, saved = (
+        {'dispatch': {'__call__', '_call_one'}, 'items': {'all_batches', 'create_batches'}},
+        os.environ.get('FXA_FASTAI_OWN'),
+    )
+    os.environ['FXA_FASTAI_OWN'] = ','.join(
+        k for k, v in parts.items() if names is None or v & set(names)
+    )  # `patches.fastai_own`
     try: yield
-    finally: FAST.update(saved)
+    finally:
+        if saved is None: os.environ.pop('FXA_FASTAI_OWN', None)
+        else: os.environ['FXA_FASTAI_OWN'] = saved
 
 def torch_adam(params, lr):
     "PyTorch's optimizer with fastai `Adam`'s arithmetic: betas (0.9,0.99), eps 1e-5, decoupled weight decay 0.01 except on biases"
@@ -152,15 +167,20 @@ def bench_model(key, opt, reps, n_epoch, micro_bs, accum_bs, n_train):
         counter = StepCounter()
         runners[name][0](cbs=counter)
         steps[name] = counter.n//n_epoch
-    sanity = {'micro-batches per epoch': n_micro, 'optimizer steps per epoch': steps,
-              'loss records per fit (log_accum_batch True, False)': [len(runners[v][2].recorder.losses) for v in (OURS_LOG, OURS_NOLOG)],
-              f'max |param diff| {OURS} vs {TORCH}': max_diff(runners[OURS_LOG][1], runners[TORCH][1]),
-              f'max |param diff| {MICRO} vs {TORCH}': max_diff(runners[MICRO][1], runners[TORCH][1]),
-              f'max |param diff| {TORCH_DL} vs {TORCH}': max_diff(runners[TORCH_DL][1], runners[TORCH][1]),
-              f'max |param diff| log_accum_batch True vs False': max_diff(runners[OURS_LOG][1], runners[OURS_NOLOG][1]),
-              f'max |param diff| {OURS} vs {FASTAI}': max_diff(runners[OURS_LOG][1], runners[FASTAI][1]),
-              f"max |param diff| normalize_by 'auto' vs 'samples'": max_diff(runners[OURS_LOG][1], runners[OURS_SAMPLES][1]),
-              f"what normalize_by='auto' counted": repr(runners[OURS_LOG][2].gradient_accumulation.counter)}
+    sanity = {
+        'micro-batches per epoch': n_micro,
+        'optimizer steps per epoch': steps,
+        'loss records per fit (log_accum_batch True, False)': [
+            len(runners[v][2].recorder.losses) for v in (OURS_LOG, OURS_NOLOG)
+        ],
+        f'max |param diff| {OURS} vs {TORCH}': max_diff(runners[OURS_LOG][1], runners[TORCH][1]),
+        f'max |param diff| {MICRO} vs {TORCH}': max_diff(runners[MICRO][1], runners[TORCH][1]),
+        f'max |param diff| {TORCH_DL} vs {TORCH}': max_diff(runners[TORCH_DL][1], runners[TORCH][1]),
+        f'max |param diff| log_accum_batch True vs False': max_diff(runners[OURS_LOG][1], runners[OURS_NOLOG][1]),
+        f'max |param diff| {OURS} vs {FASTAI}': max_diff(runners[OURS_LOG][1], runners[FASTAI][1]),
+        f"max |param diff| normalize_by 'auto' vs 'samples'": max_diff(runners[OURS_LOG][1], runners[OURS_SAMPLES][1]),
+        f"what normalize_by='auto' counted": repr(runners[OURS_LOG][2].gradient_accumulation.counter),
+    }
     wall,cpu = {name: [] for name in VARIANTS},{name: [] for name in VARIANTS}
     for _ in range(reps): # interleaved: ABCDEF ABCDEF ...
         for name in VARIANTS:
@@ -184,41 +204,65 @@ def bench_model(key, opt, reps, n_epoch, micro_bs, accum_bs, n_train):
                            extra_us_per_micro_batch=extra, wall=spread(ta/tb for ta,tb in zip(wall[a], wall[b])),
                            target=target, met=None if target is None else r['median'] <= target))
     n_params = sum(p.numel() for p in runners[NO_ACCUM][1].parameters())
-    return dict(model=desc, opt=opt, lr=OPTS[opt][2], n_params=n_params, n_train=n_train, micro_bs=micro_bs,
-                accum_bs=accum_bs, n_epoch=n_epoch, micro_batches_per_epoch=n_micro, variants=variants, ratios=ratios, sanity=sanity)
+    return dict(
+        model=desc,
+        opt=opt,
+        lr=OPTS[opt][2],
+        n_params=n_params,
+        n_train=n_train,
+        micro_bs=micro_bs,
+        accum_bs=accum_bs,
+        n_epoch=n_epoch,
+        micro_batches_per_epoch=n_micro,
+        variants=variants,
+        ratios=ratios,
+        sanity=sanity,
+    )
+
 
 # (what, variant, reference): the CPU time per micro-batch the variant adds to the reference
-SPLIT = [("the fastai loader's next batch", TORCH_DL, TORCH),
-         ("fastai's Learner per micro-batch (callbacks, Recorder, progress), accumulating as fastai does", FASTAI, TORCH_DL),
-         ('this library on top of that, log_accum_batch=True', OURS_LOG, FASTAI),
-         ('this library on top of that, log_accum_batch=False', OURS_NOLOG, FASTAI),
-         ("MicroBatching(fixed): fastai's Learner once per step, and the split", MICRO, TORCH_DL)]
+SPLIT = [
+    ("the fastai loader's next batch", TORCH_DL, TORCH),
+    ("fastai's Learner per micro-batch (callbacks, Recorder, progress), accumulating as fastai does", FASTAI, TORCH_DL),
+    ('this library on top of that, log_accum_batch=True', OURS_LOG, FASTAI),
+    ('this library on top of that, log_accum_batch=False', OURS_NOLOG, FASTAI),
+    ("MicroBatching(fixed): fastai's Learner once per step, and the split", MICRO, TORCH_DL),
+]
 
 def extra_us(m:dict, a:str, b:str)->float:
     "Median over repetitions of the CPU time `a` takes beyond `b`, per micro-batch, in microseconds"
     va,vb = m['variants'][a],m['variants'][b]
-    return statistics.median(ta-tb for ta,tb in zip(va['cpu_s'], vb['cpu_s']))/(m['n_epoch']*m['micro_batches_per_epoch'])*1e6
+    return (
+        statistics.median(ta - tb for ta, tb in zip(va['cpu_s'], vb['cpu_s']))
+        / (m['n_epoch'] * m['micro_batches_per_epoch'])
+        * 1e6
+    )
+
 
 def ratio_line(key, r)->str:
     t = '' if r['target'] is None else f" target <= {r['target']:.2f}: {'met' if r['met'] else 'NOT met'}"
     w = r['wall']
-    return (f"RATIO {key}: {r['variant']} / {r['reference']} = {r['median']:.3f}x CPU time "
-            f"[min {r['min']:.3f}, max {r['max']:.3f}] (best-of {r['best_of']:.3f}x; {r['extra_us_per_micro_batch']:+.0f} us "
-            f"per micro-batch; wall {w['median']:.3f}x [{w['min']:.3f}, {w['max']:.3f}]){t}")
+    return (
+        f"RATIO {key}: {r['variant']} / {r['reference']} = {r['median']:.3f}x CPU time "
+        f"[min {r['min']:.3f}, max {r['max']:.3f}] (best-of {r['best_of']:.3f}x; {r['extra_us_per_micro_batch']:+.0f} us "
+        f"per micro-batch; wall {w['median']:.3f}x [{w['min']:.3f}, {w['max']:.3f}]){t}"
+    )
 
 def report(res:dict)->tuple[str,str]:
     "The printed text and the markdown"
     cfg = res['config']
-    head = (f"Overhead: {cfg['reps']} interleaved repetitions of fit({cfg['n_epoch']}) per variant after a warm-up round, "
-            f"{cfg['n_train']} digits samples, micro-batches of {cfg['micro_bs']}, accum_bs={cfg['accum_bs']}, "
-            f"float32, {cfg['threads']} torch thread(s). Times are the process's CPU time (wall-clock time beside it): "
-            f"on a shared machine it leaves out the time other jobs hold the cores, and a training loop on one thread does "
-            f"not wait for anything else. Medians [min, max] over repetitions; ratios are medians [min, max] of the "
-            f"per-repetition ratios (best-of: fastest over fastest); targets are judged on the CPU-time median. "
-            f"'Where the time goes' takes the time per micro-batch apart: the fastai loader (the PyTorch loop over it minus "
-            f"the one over the tensors), fastai's Learner (fastai's GradientAccumulation minus the PyTorch loop over the same "
-            f"loader), this library on top of fastai's own accumulation, and MicroBatching(fixed), which runs fastai's "
-            f"per-batch work once per step.")
+    head = (
+        f"Overhead: {cfg['reps']} interleaved repetitions of fit({cfg['n_epoch']}) per variant after a warm-up round, "
+        f"{cfg['n_train']} digits samples, micro-batches of {cfg['micro_bs']}, accum_bs={cfg['accum_bs']}, "
+        f"float32, {cfg['threads']} torch thread(s). Times are the process's CPU time (wall-clock time beside it): "
+        f"on a shared machine it leaves out the time other jobs hold the cores, and a training loop on one thread does "
+        f"not wait for anything else. Medians [min, max] over repetitions; ratios are medians [min, max] of the "
+        f"per-repetition ratios (best-of: fastest over fastest); targets are judged on the CPU-time median. "
+        f"'Where the time goes' takes the time per micro-batch apart: the fastai loader (the PyTorch loop over it minus "
+        f"the one over the tensors), fastai's Learner (fastai's GradientAccumulation minus the PyTorch loop over the same "
+        f"loader), this library on top of fastai's own accumulation, and MicroBatching(fixed), which runs fastai's "
+        f"per-batch work once per step."
+    )
     text,md = [head, ''],[f"## Overhead\n\n{head}\n\nMachine: {describe(res['machine'])}\n"]
     headers = ['variant', 'CPU s', 'min', 'max', 'wall s', 'us / micro-batch', 'x no accum', 'x fastai accum']
     for key,m in res['models'].items():
@@ -228,16 +272,35 @@ def report(res:dict)->tuple[str,str]:
             r = ratio.get((a,b))
             if r is None: r = spread(ta/tb for ta,tb in zip(m['variants'][a]['cpu_s'], m['variants'][b]['cpu_s']))
             return f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]"
-        rows = [[name, f"{v['cpu_median_s']:.3f}", f"{v['cpu_min_s']:.3f}", f"{v['cpu_max_s']:.3f}", f"{v['wall_median_s']:.3f}",
-                 f"{v['us_per_micro_batch']:.0f}",
-                 rel(name, NO_ACCUM), rel(name, FASTAI)] for name,v in m['variants'].items()]
+
+        rows = [
+            [
+                name,
+                f"{v['cpu_median_s']:.3f}",
+                f"{v['cpu_min_s']:.3f}",
+                f"{v['cpu_max_s']:.3f}",
+                f"{v['wall_median_s']:.3f}",
+                f"{v['us_per_micro_batch']:.0f}",
+                rel(name, NO_ACCUM),
+                rel(name, FASTAI),
+            ]
+            for name, v in m['variants'].items()
+        ]
         title = (f"{key}: {m['model']} ({m['n_params']:,} parameters), {m['opt']} lr={m['lr']}, "
                  f"{m['micro_batches_per_epoch']} micro-batches per epoch")
         text += [title, text_table(headers, rows), '']
         md += [f"### {title}\n", md_table(headers, rows), '']
         split = [[label, f"{extra_us(m, a, b):+.0f}"] for label,a,b in SPLIT]
-        text += [text_table(['where the time goes (CPU us per micro-batch, median of side-by-side differences)', 'us'], split), '']
-        md += [md_table(['where the time goes (CPU us per micro-batch, median of side-by-side differences)', 'us'], split), '']
+        text += [
+            text_table(
+                ['where the time goes (CPU us per micro-batch, median of side-by-side differences)', 'us'], split
+            ),
+            '',
+        ]
+        md += [
+            md_table(['where the time goes (CPU us per micro-batch, median of side-by-side differences)', 'us'], split),
+            '',
+        ]
         lines = [ratio_line(key, r) for r in m['ratios']]
         checks = [f"{k}: {v}" if not isinstance(v, float) else f"{k}: {v:.2e}" for k,v in m['sanity'].items()]
         text += lines + ['check ' + c for c in checks] + ['']
@@ -246,7 +309,9 @@ def report(res:dict)->tuple[str,str]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--quick', action='store_true', help='a few seconds: 2 repetitions of 1 epoch, Adam only (smoke test)')
+    p.add_argument(
+        '--quick', action='store_true', help='a few seconds: 2 repetitions of 1 epoch, Adam only (smoke test)'
+    )
     p.add_argument('--reps', type=int, default=None, help='timed repetitions per variant (default 21, quick 2)')
     p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 2, quick 1)')
     p.add_argument('--micro-bs', type=int, default=32)
@@ -254,7 +319,11 @@ def main(argv=None):
     p.add_argument('--n-train', type=int, default=1500)
     p.add_argument('--threads', type=int, default=1)
     p.add_argument('--models', default='mlp,cnn')
-    p.add_argument('--opts', default=None, help="default adam,sgd: fastai's Adam (its default) and SGD (the cheapest step); quick: adam")
+    p.add_argument(
+        '--opts',
+        default=None,
+        help="default adam,sgd: fastai's Adam (its default) and SGD (the cheapest step); quick: adam",
+    )
     p.add_argument('--out', type=Path, default=RESULTS, help='where overhead.json/.md go')
     a = p.parse_args(argv)
     reps = a.reps or (2 if a.quick else 21)

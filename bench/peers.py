@@ -45,8 +45,10 @@ from syncs import paused_iter
 from overhead import torch_adam, fastai_as_shipped
 import torch
 from torch import nn
-# Lightning's torchmetrics imports torchvision when installed; a CUDA torchvision beside a CPU torch fails at import, so with
-# a CPU torch it is blocked (torchmetrics goes without it); a CUDA torch (a GPU machine) keeps its own, which Lightning imports
+# Lightning's torchmetrics imports torchvision when installed; a CUDA torchvision beside a CPU torch fails at import, so
+# with
+# a CPU torch it is blocked (torchmetrics goes without it); a CUDA torch (a GPU machine) keeps its own, which Lightning
+# imports
 if torch.version.cuda is None: sys.modules.setdefault('torchvision', None)
 
 N_TRAIN,MICRO_BS,ACCUM_BS = 3200,32,128
@@ -74,39 +76,112 @@ MICRO_SAMPLES = "MicroBatching(32, normalize_by='samples') on batches of 128"
 GA_DEVICE = 'GradientAccumulation(128) + RecordOnDevice()'
 SCHED_DEVICE = 'GradientAccumulationSchedule(128, 128) + RecordOnDevice()'
 MICRO_DEVICE = 'MicroBatching(32) on batches of 128 + RecordOnDevice()'
-# the library's callback with fastai's own event dispatch put back (`Learner.__call__`/`_call_one`, which the patch layer
+# the library's callback with fastai's own event dispatch put back (`Learner.__call__`/`_call_one`, which the patch
+# layer
 # replaces while a fit accumulates): what the library's dispatch saves, measured in the same run
 GA_FAST = "GradientAccumulation(128), fastai's event dispatch"
 GA_SAMPLES_FAST = "GradientAccumulation(128, normalize_by='samples'), fastai's event dispatch"
-# what the library's item path saves (items as held, batches as collated): fastai's own `Learner.all_batches`/`DataLoader.create_batches` put back
+# what the library's item path saves (items as held, batches as collated): fastai's own
+# `Learner.all_batches`/`DataLoader.create_batches` put back
 GA_ITEMS = "GradientAccumulation(128), fastai's per-item and per-batch loader calls"
-# also not a target: the library's callback with PyTorch's AdamW (foreach) through fastai's `OptimWrapper`, the optimizer the
+# also not a target: the library's callback with PyTorch's AdamW (foreach) through fastai's `OptimWrapper`, the
+# optimizer the
 # PyTorch, Accelerate and Lightning loops use, instead of fastai's `Adam` (a Python loop over the parameters)
 GA_TORCH_OPT = "GradientAccumulation(128), OptimWrapper(torch AdamW)"
-# also not a target: the library's callbacks on PyTorch's `DataLoader` (which fastai's `Learner` takes as it is), the loader
+# also not a target: the library's callbacks on PyTorch's `DataLoader` (which fastai's `Learner` takes as it is), the
+# loader
 # the PyTorch, Accelerate and Lightning loops use, instead of fastai's: what of the gap to them is the loader's
 GA_TORCH_DL = "GradientAccumulation(128) on PyTorch's DataLoader"
 MICRO_TORCH_DL = "MicroBatching(32) on PyTorch's DataLoader of 128"
-# not a target: 'samples' against a second row of itself, judged as the targets are (A/A): what two identical rows differ by
+# not a target: 'samples' against a second row of itself, judged as the targets are (A/A): what two identical rows
+# differ by
 GA_SAMPLES_AA = "GradientAccumulation(128, normalize_by='samples'), a second row of it"
-# what 'auto' did before it read a cross-entropy's count from the loss: the same count, taken from the targets on the device
+# what 'auto' did before it read a cross-entropy's count from the loss: the same count, taken from the targets on the
+# device
 GA_TOKENS = 'GradientAccumulation(128, normalize_by=TokenCount())'
-TIMED = [TORCH_LOOP, TORCH_TENSORS, ACCELERATE, LIGHTNING, FASTAI_NOACC, FASTAI_GA, FASTXTEND, GA_AUTO, GA_SAMPLES, SCHED, MICRO, MICRO_SAMPLES,
-         GA_FAST, GA_SAMPLES_FAST, GA_ITEMS, GA_TORCH_OPT, GA_TOKENS, GA_TORCH_DL, MICRO_TORCH_DL]
-SYNCED = [TORCH_LOOP, ACCELERATE, LIGHTNING, LIGHTNING_LOG, FASTAI_NOACC, FASTAI_GA, FASTXTEND, GA_AUTO, GA_AUTO_NOLOG, GA_SAMPLES,
-          GA_SAMPLES_NOLOG, SCHED, SCHED_SAMPLES, SCHED_NOLOG, SCHED_SAMPLES_NOLOG, MICRO, MICRO_SAMPLES, GA_DEVICE, SCHED_DEVICE,
-          MICRO_DEVICE]
-EXACT = [TORCH_LOOP, ACCELERATE, LIGHTNING, FASTAI_GA, FASTXTEND, GA_AUTO, GA_SAMPLES, SCHED, MICRO, MICRO_SAMPLES, GA_FAST, GA_ITEMS,
-         GA_TORCH_DL, MICRO_TORCH_DL]
+TIMED = [
+    TORCH_LOOP,
+    TORCH_TENSORS,
+    ACCELERATE,
+    LIGHTNING,
+    FASTAI_NOACC,
+    FASTAI_GA,
+    FASTXTEND,
+    GA_AUTO,
+    GA_SAMPLES,
+    SCHED,
+    MICRO,
+    MICRO_SAMPLES,
+    GA_FAST,
+    GA_SAMPLES_FAST,
+    GA_ITEMS,
+    GA_TORCH_OPT,
+    GA_TOKENS,
+    GA_TORCH_DL,
+    MICRO_TORCH_DL,
+]
+SYNCED = [
+    TORCH_LOOP,
+    ACCELERATE,
+    LIGHTNING,
+    LIGHTNING_LOG,
+    FASTAI_NOACC,
+    FASTAI_GA,
+    FASTXTEND,
+    GA_AUTO,
+    GA_AUTO_NOLOG,
+    GA_SAMPLES,
+    GA_SAMPLES_NOLOG,
+    SCHED,
+    SCHED_SAMPLES,
+    SCHED_NOLOG,
+    SCHED_SAMPLES_NOLOG,
+    MICRO,
+    MICRO_SAMPLES,
+    GA_DEVICE,
+    SCHED_DEVICE,
+    MICRO_DEVICE,
+]
+EXACT = [
+    TORCH_LOOP,
+    ACCELERATE,
+    LIGHTNING,
+    FASTAI_GA,
+    FASTXTEND,
+    GA_AUTO,
+    GA_SAMPLES,
+    SCHED,
+    MICRO,
+    MICRO_SAMPLES,
+    GA_FAST,
+    GA_ITEMS,
+    GA_TORCH_DL,
+    MICRO_TORCH_DL,
+]
 TORCH_DL = {GA_TORCH_DL, MICRO_TORCH_DL} # fastai on PyTorch's loader: against fastai's large batch on the same loader
 # issue 26's targets: this library's callbacks at or below a peer's ratio to the PyTorch loop
-TARGETS = [(GA_AUTO, LIGHTNING), (GA_SAMPLES, LIGHTNING), (MICRO, ACCELERATE), (MICRO_SAMPLES, ACCELERATE), (GA_AUTO, GA_SAMPLES),
-           (MICRO, MICRO_SAMPLES)]
+TARGETS = [
+    (GA_AUTO, LIGHTNING),
+    (GA_SAMPLES, LIGHTNING),
+    (MICRO, ACCELERATE),
+    (MICRO_SAMPLES, ACCELERATE),
+    (GA_AUTO, GA_SAMPLES),
+    (MICRO, MICRO_SAMPLES),
+]
 AUTO_TARGET = {GA_SAMPLES: 1.02, MICRO_SAMPLES: 1.02} # 'auto' at most 1.02x 'samples'
 CONTROLS = [(GA_SAMPLES_AA, GA_SAMPLES)] # judged beside the targets, with no target: the machine's noise, as a ratio
-WHAT_IF = [(GA_AUTO, GA_FAST), (GA_SAMPLES, GA_SAMPLES_FAST), (GA_AUTO, GA_ITEMS), (GA_TORCH_OPT, GA_AUTO), (GA_TORCH_DL, LIGHTNING), (GA_TORCH_DL, GA_AUTO),
-           (MICRO_TORCH_DL, ACCELERATE), (MICRO_TORCH_DL, MICRO),
-           (GA_TOKENS, GA_SAMPLES), (GA_TOKENS, GA_AUTO)] # shown, not judged
+WHAT_IF = [
+    (GA_AUTO, GA_FAST),
+    (GA_SAMPLES, GA_SAMPLES_FAST),
+    (GA_AUTO, GA_ITEMS),
+    (GA_TORCH_OPT, GA_AUTO),
+    (GA_TORCH_DL, LIGHTNING),
+    (GA_TORCH_DL, GA_AUTO),
+    (MICRO_TORCH_DL, ACCELERATE),
+    (MICRO_TORCH_DL, MICRO),
+    (GA_TOKENS, GA_SAMPLES),
+    (GA_TOKENS, GA_AUTO),
+] # shown, not judged
 TORCH_FAMILY = {TORCH_LOOP, ACCELERATE, LIGHTNING, LIGHTNING_LOG}
 
 def versions()->dict:
@@ -120,6 +195,7 @@ DEVICE = 'cpu' # where the models train (`--device`): every peer's own loader mo
 
 class Setup:
     "What every peer shares: the samples, the model's start, the sizes, the dtype, the schedule, the device and its clock"
+
     def __init__(self, n=N_TRAIN, hidden=128, n_layers=2, micro_bs=MICRO_BS, accum_bs=ACCUM_BS, dtype=torch.float32,
                  lr=1e-3, one_cycle=False, n_epoch=2, device=None):
         self.device = torch.device(device or DEVICE)
@@ -136,15 +212,20 @@ class Setup:
     def clock(self)->float:
         "Seconds: the process's CPU time on the CPU; on a GPU, wall time once the GPU has done what it was given (its throughput)"
         if not self.cuda: return time.process_time()
-        if self.sync_clock: torch.cuda.synchronize(self.device) # not while syncs are counted: the clock's own is not the peer's
+        # not while syncs are counted: the clock's own is not the peer's
+        if self.sync_clock: torch.cuda.synchronize(self.device)
         return time.perf_counter()
     def torch_dl(self, bs):
-        g = torch.Generator(); g.manual_seed(0) # the same permutation for any bs
-        return torch.utils.data.DataLoader(self.samples, batch_size=bs, shuffle=True, drop_last=True, generator=g, num_workers=0)
+        g = torch.Generator(); g.manual_seed(0)  # the same permutation for any bs
+        return torch.utils.data.DataLoader(
+            self.samples, batch_size=bs, shuffle=True, drop_last=True, generator=g, num_workers=0
+        )
+
     def steps_per_epoch(self): return len(self.samples)//self.accum_bs
 
 class Run:
     "One peer, built once: `fit()` trains `n_epoch` epochs from the same start and returns the CPU seconds of its epochs"
+
     model,counter = None,None
     def lrs(self)->list[float]: return [] # the learning rate of each optimizer step of the last fit
     def pause_in_loader(self, counter):   # leave the training loader's host work out of `counter`
@@ -159,8 +240,14 @@ class TorchLoop(Run):
         self.loss_func,self._lrs = nn.CrossEntropyLoss(),[]
     def fit(self):
         s = self.s
-        self.model.load_state_dict(s.init); self.opt = torch_adam(self.model.parameters(), s.lr); self.dl.generator.manual_seed(0)
-        sched = torch.optim.lr_scheduler.OneCycleLR(self.opt, s.lr, total_steps=s.n_epoch*s.steps_per_epoch()) if s.one_cycle else None
+        self.model.load_state_dict(s.init)
+        self.opt = torch_adam(self.model.parameters(), s.lr)
+        self.dl.generator.manual_seed(0)
+        sched = (
+            torch.optim.lr_scheduler.OneCycleLR(self.opt, s.lr, total_steps=s.n_epoch * s.steps_per_epoch())
+            if s.one_cycle
+            else None
+        )
         self._lrs,cpu = [],0.
         for _ in range(s.n_epoch):
             c0 = s.clock()
@@ -187,15 +274,24 @@ class TensorBatches:
 
 class AccelerateLoop(Run):
     "Accelerate's documented loop: `with accelerator.accumulate(model)`, `accelerator.backward(loss)`, step and zero_grad every time"
+
     _accelerator = None
     def __init__(self, s:Setup):
         from accelerate import Accelerator
-        if AccelerateLoop._accelerator is None: AccelerateLoop._accelerator = Accelerator(cpu=not s.cuda, gradient_accumulation_steps=K)
+
+        if AccelerateLoop._accelerator is None:
+            AccelerateLoop._accelerator = Accelerator(cpu=not s.cuda, gradient_accumulation_steps=K)
         self.acc,self.s = AccelerateLoop._accelerator,s
         self.model = s.model(); self.loss_func = nn.CrossEntropyLoss()
         self.opt = torch_adam(self.model.parameters(), s.lr)
-        self.sched = torch.optim.lr_scheduler.OneCycleLR(self.opt, s.lr, total_steps=s.n_epoch*s.steps_per_epoch()) if s.one_cycle else None
-        objs = self.acc.prepare(self.model, self.opt, s.torch_dl(s.micro_bs), *([self.sched] if self.sched is not None else []))
+        self.sched = (
+            torch.optim.lr_scheduler.OneCycleLR(self.opt, s.lr, total_steps=s.n_epoch * s.steps_per_epoch())
+            if s.one_cycle
+            else None
+        )
+        objs = self.acc.prepare(
+            self.model, self.opt, s.torch_dl(s.micro_bs), *([self.sched] if self.sched is not None else [])
+        )
         self.pmodel,self.popt,self.dl = objs[:3]
         self.psched = objs[3] if self.sched is not None else None
         self._lrs,self.fitted = [],False
@@ -225,6 +321,7 @@ class AccelerateLoop(Run):
 
 class LightningLoop(Run):
     "A `LightningModule` over the model; a `Trainer` per fit with `accumulate_grad_batches`, no logger, bar or checkpoint"
+
     def __init__(self, s:Setup, log=False, accumulate=K, bs=None):
         import logging, lightning as L
         for name in list(logging.root.manager.loggerDict): # its tips and device summaries, set up when it is imported
@@ -243,17 +340,29 @@ class LightningLoop(Run):
             def configure_optimizers(self):
                 opt = torch_adam(self.parameters(), s.lr)
                 if not s.one_cycle: return opt
-                sched = torch.optim.lr_scheduler.OneCycleLR(opt, s.lr, total_steps=s.n_epoch*len(s.samples)//(self.trainer.accumulate_grad_batches*run.bs))
+                sched = torch.optim.lr_scheduler.OneCycleLR(
+                    opt, s.lr, total_steps=s.n_epoch * len(s.samples) // (self.trainer.accumulate_grad_batches * run.bs)
+                )
                 return dict(optimizer=opt, lr_scheduler=dict(scheduler=sched, interval='step'))
             def on_before_optimizer_step(self, opt): run._lrs.append(opt.param_groups[0]['lr'])
         self.module,self.dl,self._lrs = Module(),s.torch_dl(self.bs),[]
     def fit(self):
         L,s = self.L,self.s
         self.model.load_state_dict(s.init); self.dl.generator.manual_seed(0); self._lrs = []
-        trainer = L.Trainer(max_epochs=s.n_epoch, accelerator='gpu' if s.cuda else 'cpu', devices=1, accumulate_grad_batches=self.accumulate,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            num_sanity_val_steps=0, use_distributed_sampler=False, limit_val_batches=0,
-                            precision='64-true' if s.dtype == torch.float64 else '32-true')
+        trainer = L.Trainer(
+            max_epochs=s.n_epoch,
+            accelerator='gpu' if s.cuda else 'cpu',
+            devices=1,
+            accumulate_grad_batches=self.accumulate,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            use_distributed_sampler=False,
+            limit_val_batches=0,
+            precision='64-true' if s.dtype == torch.float64 else '32-true',
+        )
         loop,cpu = trainer.fit_loop.epoch_loop,[0.]
         run_epoch = loop.run
         def timed(*args, **kwargs):
@@ -268,8 +377,10 @@ class LightningLoop(Run):
 def fastai_learner(s:Setup, bs, cbs=(), opt_func=None, torch_dl=False):
     from fastai.basics import Learner, DataLoaders, Adam, noop
     from fastai.callback.progress import ProgressCallback
-    if torch_dl: dls = DataLoaders(s.torch_dl(bs), torch.utils.data.DataLoader([], batch_size=bs), device=s.device) # PyTorch's, as it is
-    else: dls = DataLoaders.from_dsets(s.samples, [], bs=bs, num_workers=0, device=s.device) # no validation set: training only
+    # PyTorch's, as it is
+    if torch_dl: dls = DataLoaders(s.torch_dl(bs), torch.utils.data.DataLoader([], batch_size=bs), device=s.device)
+    # no validation set: training only
+    else: dls = DataLoaders.from_dsets(s.samples, [], bs=bs, num_workers=0, device=s.device)
     learn = Learner(dls, s.model(), loss_func=nn.CrossEntropyLoss(), opt_func=opt_func or Adam, lr=s.lr, cbs=list(cbs))
     learn.remove_cb(ProgressCallback)
     learn.logger = noop
@@ -298,7 +409,10 @@ class FastaiRun(Run):
         if hasattr(dl, 'rng'): dl.rng.seed(0) # the same shuffle for any bs
         else: dl.generator.manual_seed(0) # PyTorch's
         self.cpu[0] = 0.
-        with fastai_as_shipped() if self.as_shipped else nullcontext(), self.dispatch() if self.dispatch else nullcontext():
+        with (
+            fastai_as_shipped() if self.as_shipped else nullcontext(),
+            self.dispatch() if self.dispatch else nullcontext(),
+        ):
             if s.one_cycle: learn.fit_one_cycle(s.n_epoch, s.lr)
             else: learn.fit(s.n_epoch)
         return self.cpu[0]
@@ -341,7 +455,10 @@ def builders()->dict:
                                  dispatch=lambda: fastai_as_shipped({'all_batches', 'create_batches'}))
             if name == 'ga': return FastaiRun(s, lambda: GradientAccumulation(s.accum_bs, **kw), torch_dl=torch_dl)
             if name == 'sched': return FastaiRun(s, lambda: GradientAccumulationSchedule(s.accum_bs, s.accum_bs, **kw))
-            return FastaiRun(s, lambda: MicroBatching(s.micro_bs, verbose=False, **kw), bs=s.accum_bs, torch_dl=torch_dl)
+            return FastaiRun(
+                s, lambda: MicroBatching(s.micro_bs, verbose=False, **kw), bs=s.accum_bs, torch_dl=torch_dl
+            )
+
         return make
     def fastai_ga(s):
         from fastai.callback.training import GradientAccumulation
@@ -352,18 +469,37 @@ def builders()->dict:
     def tensor_loop(s):
         r = TorchLoop(s); r.dl = TensorBatches(s.x, s.y, s.micro_bs)
         return r
-    return {TORCH_LOOP: TorchLoop, TORCH_TENSORS: tensor_loop, ACCELERATE: AccelerateLoop, LIGHTNING: LightningLoop,
-            LIGHTNING_LOG: lambda s: LightningLoop(s, log=True),
-            FASTAI_NOACC: lambda s: FastaiRun(s, as_shipped=True), FASTAI_GA: fastai_ga, FASTXTEND: fastxtend_ga,
-            GA_AUTO: ours('ga'), GA_SAMPLES: ours('ga', normalize_by='samples'), GA_SAMPLES_AA: ours('ga', normalize_by='samples'),
-            GA_AUTO_NOLOG: ours('ga', log_accum_batch=False), GA_SAMPLES_NOLOG: ours('ga', normalize_by='samples', log_accum_batch=False),
-            SCHED: ours('sched'), SCHED_SAMPLES: ours('sched', normalize_by='samples'), SCHED_NOLOG: ours('sched', log_accum_batch=False),
-            SCHED_SAMPLES_NOLOG: ours('sched', normalize_by='samples', log_accum_batch=False),
-            MICRO: ours('micro'), MICRO_SAMPLES: ours('micro', normalize_by='samples'),
-            GA_DEVICE: ours('ga', device=True), SCHED_DEVICE: ours('sched', device=True), MICRO_DEVICE: ours('micro', device=True),
-            GA_TOKENS: ours('ga', tokens=True), GA_FAST: ours('ga', fast=True), GA_SAMPLES_FAST: ours('ga', fast=True, normalize_by='samples'),
-            GA_ITEMS: ours('ga', items=True), GA_TORCH_OPT: torch_opt,
-            GA_TORCH_DL: ours('ga', torch_dl=True), MICRO_TORCH_DL: ours('micro', torch_dl=True)}
+    return {
+        TORCH_LOOP: TorchLoop,
+        TORCH_TENSORS: tensor_loop,
+        ACCELERATE: AccelerateLoop,
+        LIGHTNING: LightningLoop,
+        LIGHTNING_LOG: lambda s: LightningLoop(s, log=True),
+        FASTAI_NOACC: lambda s: FastaiRun(s, as_shipped=True),
+        FASTAI_GA: fastai_ga,
+        FASTXTEND: fastxtend_ga,
+        GA_AUTO: ours('ga'),
+        GA_SAMPLES: ours('ga', normalize_by='samples'),
+        GA_SAMPLES_AA: ours('ga', normalize_by='samples'),
+        GA_AUTO_NOLOG: ours('ga', log_accum_batch=False),
+        GA_SAMPLES_NOLOG: ours('ga', normalize_by='samples', log_accum_batch=False),
+        SCHED: ours('sched'),
+        SCHED_SAMPLES: ours('sched', normalize_by='samples'),
+        SCHED_NOLOG: ours('sched', log_accum_batch=False),
+        SCHED_SAMPLES_NOLOG: ours('sched', normalize_by='samples', log_accum_batch=False),
+        MICRO: ours('micro'),
+        MICRO_SAMPLES: ours('micro', normalize_by='samples'),
+        GA_DEVICE: ours('ga', device=True),
+        SCHED_DEVICE: ours('sched', device=True),
+        MICRO_DEVICE: ours('micro', device=True),
+        GA_TOKENS: ours('ga', tokens=True),
+        GA_FAST: ours('ga', fast=True),
+        GA_SAMPLES_FAST: ours('ga', fast=True, normalize_by='samples'),
+        GA_ITEMS: ours('ga', items=True),
+        GA_TORCH_OPT: torch_opt,
+        GA_TORCH_DL: ours('ga', torch_dl=True),
+        MICRO_TORCH_DL: ours('micro', torch_dl=True),
+    }
 
 def build(names, s:Setup, skipped:dict)->dict:
     runs,b = {},builders()
@@ -410,8 +546,13 @@ def judged_in_processes(reps:int, n_epoch:int, procs:int, instances:int=3, timeo
             out = Path(d)/f'{j}.json'
             cmd = [sys.executable, str(Path(__file__).resolve()), '--judged-child', str(per), '--epochs', str(n_epoch),
                    '--instances', str(instances), '--seed', str(j), '--out', str(out)]
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, PYTHONWARNINGS='ignore'))
-            if p.returncode: raise RuntimeError(f'judged process {j} exited with {p.returncode}:\n{p.stdout[-2000:]}{p.stderr[-3000:]}')
+            p = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, PYTHONWARNINGS='ignore')
+            )
+            if p.returncode:
+                raise RuntimeError(
+                    f'judged process {j} exited with {p.returncode}:\n{p.stdout[-2000:]}{p.stderr[-3000:]}'
+                )
             groups.append(json.loads(out.read_text()))
     return groups
 
@@ -421,14 +562,20 @@ def bench_time(reps, n_epoch, skipped, judged_reps=0, judged_procs=5, instances=
     n_mb = n_epoch*len(s.samples)//s.micro_bs
     for r in runs.values(): r.fit() # warm-up round
     cpu = {k: [] for k in runs}
-    for i in range(reps): # interleaved, in the opposite order every other repetition (ABC CBA ...): a drift of the machine's
-        for k,r in (runs.items() if i % 2 == 0 else reversed(runs.items())): # speed, or the place in the round, favours no peer
+    # interleaved, in the opposite order every other repetition (ABC CBA ...): a drift of the machine's
+    for i in range(reps):
+        # speed, or the place in the round, favours no peer
+        for k,r in (runs.items() if i % 2 == 0 else reversed(runs.items())):
             gc.collect()
             cpu[k].append(r.fit())
-    # the targets' rows again, alone, for many more repetitions: a median ratio of 41 moves by a few percent on a shared machine.
-    # Each row in `instances` copies built alike, taken in turn: two copies of one row differ by up to 2% here, repetition
-    # after repetition (where their tensors lie in memory), which no number of repetitions of one copy averages out. And in
-    # `judged_procs` fresh processes: here, five processes of 60 repetitions gave medians of one ratio from 0.920 to 1.032,
+    # the targets' rows again, alone, for many more repetitions: a median ratio of 41 moves by a few percent on a shared
+    # machine.
+    # Each row in `instances` copies built alike, taken in turn: two copies of one row differ by up to 2% here,
+    # repetition
+    # after repetition (where their tensors lie in memory), which no number of repetitions of one copy averages out. And
+    # in
+    # `judged_procs` fresh processes: here, five processes of 60 repetitions gave medians of one ratio from 0.920 to
+    # 1.032,
     # and two runs of 201 in one process each gave a median outside the other's interval; so the interval resamples the
     # processes too
     groups = judged_in_processes(judged_reps, n_epoch, judged_procs, instances) if judged_reps else []
@@ -441,23 +588,44 @@ def bench_time(reps, n_epoch, skipped, judged_reps=0, judged_procs=5, instances=
     for a,b in TARGETS + CONTROLS + WHAT_IF:
         control = (a,b) in CONTROLS # judged with the targets, though not in the table's rows
         if not control and (a not in rows or b not in rows): continue
-        # the two ratios to the PyTorch loop compared: the same as the two times compared side by side in each repetition
+        # the two ratios to the PyTorch loop compared: the same as the two times compared side by side in each
+        # repetition
         judged = (a,b) in TARGETS + CONTROLS and all(a in g and b in g for g in groups) and bool(groups)
         if control and not judged: continue
         srcs = groups if judged else [cpu]
         ratios = [[ta/tb for ta,tb in zip(g[a], g[b])] for g in srcs]
         r,target = spread(x for g in ratios for x in g),AUTO_TARGET.get(b, 1.)
         if (a,b) in WHAT_IF or control: target = None # a prototype's figure, or the noise: not a target of the library
-        # the median's 95% bootstrap interval (the processes resampled too): a target is met beyond this machine's noise where
+        # the median's 95% bootstrap interval (the processes resampled too): a target is met beyond this machine's noise
+        # where
         # the whole interval meets it
         ci = grouped_median_ci(ratios)
-        targets.append(dict(measure='wall time' if s.cuda else 'CPU time', variant=a, reference=b, **r, ci95=ci, reps=sum(map(len, ratios)),
-                            proc_medians=[statistics.median(g) for g in ratios] if judged else None,
-                            best_of=min(x for g in srcs for x in g[a])/min(x for g in srcs for x in g[b]), control=control,
-                            x_torch_loop=[rows[k]['x_torch_loop']['median'] if k in rows else None for k in (a, b)],
-                            target=target, met=None if target is None else r['median'] <= target))
-    return dict(n_epoch=n_epoch, reps=reps, judged_reps=sum(len(next(iter(g.values()), [])) for g in groups), judged_procs=len(groups),
-                instances=instances, micro_batches=n_mb, rows=rows, targets=targets)
+        targets.append(
+            dict(
+                measure='wall time' if s.cuda else 'CPU time',
+                variant=a,
+                reference=b,
+                **r,
+                ci95=ci,
+                reps=sum(map(len, ratios)),
+                proc_medians=[statistics.median(g) for g in ratios] if judged else None,
+                best_of=min(x for g in srcs for x in g[a]) / min(x for g in srcs for x in g[b]),
+                control=control,
+                x_torch_loop=[rows[k]['x_torch_loop']['median'] if k in rows else None for k in (a, b)],
+                target=target,
+                met=None if target is None else r['median'] <= target,
+            )
+        )
+    return dict(
+        n_epoch=n_epoch,
+        reps=reps,
+        judged_reps=sum(len(next(iter(g.values()), [])) for g in groups),
+        judged_procs=len(groups),
+        instances=instances,
+        micro_batches=n_mb,
+        rows=rows,
+        targets=targets,
+    )
 
 # --- 2. host syncs ---
 
@@ -523,8 +691,20 @@ def bench_ops(skipped)->dict:
 
 # --- 2c. Python calls per micro-batch: the host's work, counted, whatever the machine's load ---
 
-CALLED = [TORCH_LOOP, ACCELERATE, LIGHTNING, FASTAI_NOACC, FASTAI_GA, GA_AUTO, GA_SAMPLES, GA_ITEMS, GA_FAST, MICRO, MICRO_SAMPLES,
-          GA_TORCH_DL]
+CALLED = [
+    TORCH_LOOP,
+    ACCELERATE,
+    LIGHTNING,
+    FASTAI_NOACC,
+    FASTAI_GA,
+    GA_AUTO,
+    GA_SAMPLES,
+    GA_ITEMS,
+    GA_FAST,
+    MICRO,
+    MICRO_SAMPLES,
+    GA_TORCH_DL,
+]
 
 def bench_calls(skipped)->dict:
     """Python function calls (and calls of builtins from Python) that a second epoch adds to a fit, per micro-batch (`sys.setprofile`):
@@ -569,15 +749,26 @@ def bench_exact(skipped, n_epoch=2, lr=1e-2)->dict:
     for k,r in runs.items():
         try: r.fit()
         except Exception as e: res[k] = dict(error=f'{type(e).__name__}: {str(e)[:200]}'); continue
-        fam = ('lightning' if k in (LIGHTNING, LIGHTNING_LOG) else 'torch' if k in TORCH_FAMILY else 'fastai_torch' if k in TORCH_DL
-               else 'fastai')
+        fam = (
+            'lightning'
+            if k in (LIGHTNING, LIGHTNING_LOG)
+            else 'torch'
+            if k in TORCH_FAMILY
+            else 'fastai_torch'
+            if k in TORCH_DL
+            else 'fastai'
+        )
         ref = refs[fam]
         la,lb = r.lrs(),ref.lrs()
         lrs = ('same' if len(la) == len(lb) and max((abs(a-b) for a,b in zip(la, lb)), default=0.) <= 1e-12
                else f'differ ({len(la)} records vs {len(lb)})' if len(la) != len(lb)
                else f'differ (max {max(abs(a-b) for a,b in zip(la, lb)):.2e})')
-        what = dict(torch='PyTorch loop + OneCycleLR', lightning="Lightning + OneCycleLR (interval 'step')", fastai='fastai fit_one_cycle',
-                    fastai_torch="fastai fit_one_cycle on PyTorch's DataLoader")[fam]
+        what = dict(
+            torch='PyTorch loop + OneCycleLR',
+            lightning="Lightning + OneCycleLR (interval 'step')",
+            fastai='fastai fit_one_cycle',
+            fastai_torch="fastai fit_one_cycle on PyTorch's DataLoader",
+        )[fam]
         res[k] = dict(reference=f"{what}, batches of {s.accum_bs}",
                       max_param_diff=max_diff(r.model, ref.model), lrs=lrs, dtype=str(next(r.model.parameters()).dtype))
     return dict(n_epoch=n_epoch, lr=lr, rows=res)
@@ -587,11 +778,13 @@ def bench_exact(skipped, n_epoch=2, lr=1e-2)->dict:
 def _memory_child(name, batch, k)->dict:
     from memory import reset_peak, status_kb, maxrss_bytes
     warnings.simplefilter('ignore')
-    s = Setup(n=batch, hidden=4096, n_layers=1, micro_bs=batch//k, accum_bs=batch, n_epoch=1, device='cpu') # the host's resident set
+    # the host's resident set
+    s = Setup(n=batch, hidden=4096, n_layers=1, micro_bs=batch//k, accum_bs=batch, n_epoch=1, device='cpu')
     if name == 'PyTorch loop, no accumulation': r = TorchLoop(s, bs=batch//k, accum_bs=batch//k)
     elif name == 'PyTorch loop, large batch': r = TorchLoop(s, bs=batch, accum_bs=batch)
     else: r = builders()[name](s)
-    r.fit(); gc.collect() # warm-up epoch: lazy initialisations and the optimizer's state are not the peer's per-step memory
+    # warm-up epoch: lazy initialisations and the optimizer's state are not the peer's per-step memory
+    r.fit(); gc.collect()
     reset = reset_peak(); base = status_kb('VmRSS')*1024
     r.fit()
     peak = status_kb('VmHWM')*1024 if reset else maxrss_bytes()
@@ -599,8 +792,23 @@ def _memory_child(name, batch, k)->dict:
 
 def bench_memory(skipped, batch=1024, k=4, reps=2)->dict:
     from memory import set_mmap_threshold
-    names = ['PyTorch loop, no accumulation', 'PyTorch loop, large batch'] + [n for n in TIMED if n not in skipped and n not in
-                                                                               (FASTAI_NOACC, GA_FAST, GA_SAMPLES_FAST, GA_ITEMS, GA_TORCH_OPT, TORCH_TENSORS, GA_TORCH_DL, MICRO_TORCH_DL)]
+
+    names = ['PyTorch loop, no accumulation', 'PyTorch loop, large batch'] + [
+        n
+        for n in TIMED
+        if n not in skipped
+        and n
+        not in (
+            FASTAI_NOACC,
+            GA_FAST,
+            GA_SAMPLES_FAST,
+            GA_ITEMS,
+            GA_TORCH_OPT,
+            TORCH_TENSORS,
+            GA_TORCH_DL,
+            MICRO_TORCH_DL,
+        )
+    ]
     res = {n: [] for n in names}
     for _ in range(reps):
         for name in names:
@@ -642,97 +850,195 @@ def report(res:dict)->tuple[str,str]:
     cfg = res['config']
     gpu = cfg.get('device', 'cpu') != 'cpu'
     where = f"GPU ({cfg.get('gpu')}), 1 CPU thread" if gpu else f"CPU, {cfg['threads']} thread"
-    clock = ("times are wall time, the GPU synchronized at each epoch's end (the host's time per micro-batch, waits included), "
-             if gpu else "times are CPU time, ")
-    head = (f"Peers: {where}, digits repeated to {N_TRAIN} samples, MLP 64-128-128-10, Adam, micro-batches of "
-            f"{MICRO_BS}, {ACCUM_BS} samples per optimizer step; every peer on its own framework's loader (fastai's with "
-            f"num_workers=0). Versions: {', '.join(f'{k} {v}' for k,v in res['versions'].items())}. The machine was shared "
-            f"with other jobs (load average {res['machine'].get('load_avg')} at the start, {res.get('load_end')} at the end): "
-            f"{clock}ratios measured side by side in each repetition.")
+    clock = (
+        "times are wall time, the GPU synchronized at each epoch's end (the host's time per micro-batch, waits included), "
+        if gpu
+        else "times are CPU time, "
+    )
+    head = (
+        f"Peers: {where}, digits repeated to {N_TRAIN} samples, MLP 64-128-128-10, Adam, micro-batches of "
+        f"{MICRO_BS}, {ACCUM_BS} samples per optimizer step; every peer on its own framework's loader (fastai's with "
+        f"num_workers=0). Versions: {', '.join(f'{k} {v}' for k, v in res['versions'].items())}. The machine was shared "
+        f"with other jobs (load average {res['machine'].get('load_avg')} at the start, {res.get('load_end')} at the end): "
+        f"{clock}ratios measured side by side in each repetition."
+    )
     out = [head, '']
     t = res.get('time')
     if t:
-        rows = [[k, fmt_spread(v['us_per_micro_batch'], '{:.0f}'), fmt_spread(v['x_torch_loop']), f"{v['best_of']:.2f}"] for k,v in
-                sorted(t['rows'].items(), key=lambda kv: kv[1]['x_torch_loop']['median'])]
-        title = (f"### Time: {'wall' if gpu else 'CPU'} us per micro-batch, {t['reps']} interleaved repetitions of {t['n_epoch']} epochs ({t['micro_batches']} "
-                 "micro-batches), median [min, max]")
-        out += [title, '', md_table(['way to train', 'us / micro-batch', 'x PyTorch loop', 'best-of (fastest / fastest)'], rows), '']
+        rows = [
+            [k, fmt_spread(v['us_per_micro_batch'], '{:.0f}'), fmt_spread(v['x_torch_loop']), f"{v['best_of']:.2f}"]
+            for k, v in sorted(t['rows'].items(), key=lambda kv: kv[1]['x_torch_loop']['median'])
+        ]
+        title = (
+            f"### Time: {'wall' if gpu else 'CPU'} us per micro-batch, {t['reps']} interleaved repetitions of {t['n_epoch']} epochs ({t['micro_batches']} "
+            "micro-batches), median [min, max]"
+        )
+        out += [
+            title,
+            '',
+            md_table(['way to train', 'us / micro-batch', 'x PyTorch loop', 'best-of (fastest / fastest)'], rows),
+            '',
+        ]
         if t['targets']:
-            procs = lambda r: '[{:.3f}, {:.3f}]'.format(min(r['proc_medians']), max(r['proc_medians'])) if r.get('proc_medians') else '-'
-            trows = [[f"{r['variant']} / {r['reference']}", fmt_spread(r, '{:.3f}'), '[{:.3f}, {:.3f}]'.format(*r['ci95']), procs(r), f"{r['best_of']:.3f}",
-                      ' vs '.join('-' if x is None else f'{x:.2f}' for x in r['x_torch_loop']), '-' if r['target'] is None else f"<= {r['target']:.2f}",
-                      '(A/A: the noise)' if r.get('control') else '(not judged)' if r['met'] is None else verdict(r)] for r in t['targets']]
-            out += [f"Targets (issue 26): this library's callback at or below the peer's ratio to the PyTorch loop, i.e. its {'wall' if gpu else 'CPU'} time "
-                    "over the peer's, measured side by side in each repetition, at most 1 ('auto' at most 1.02x 'samples'). The rows "
-                    "\"fastai's event dispatch\" are the library's callback with fastai's own `Learner.__call__`/`_call_one` put "
-                    "back, to show what the library's exact dispatch (`patches`) saves; \"fastai's per-item and per-batch loader calls\" puts back "
-                    "fastai's own `Learner.all_batches`/`DataLoader.create_batches`, to show what taking the training items as "
-                    "the dataset holds them, and their batches as collated, saves (the same batches); 'OptimWrapper(torch AdamW)' shows what "
-                    "fastai's `Adam` costs against the PyTorch optimizer the other loops use; \"on PyTorch's DataLoader\" shows the "
-                    "library's callbacks on the loader the PyTorch, Accelerate and Lightning loops use (fastai's `Learner` takes it "
-                    "as it is): what of the gap to them is fastai's loader.", '',
-                    "The median's 95% interval is a bootstrap of the repetitions' ratios (the processes resampled, then the "
-                    "repetitions within each): 'met' where the median meets the target, and 'beyond noise' where the whole interval "
-                    "does. " + (f"The targets are judged on {t['judged_reps']} further repetitions of their rows alone, in "
+            procs = lambda r: (
+                '[{:.3f}, {:.3f}]'.format(min(r['proc_medians']), max(r['proc_medians']))
+                if r.get('proc_medians')
+                else '-'
+            )
+            trows = [
+                [
+                    f"{r['variant']} / {r['reference']}",
+                    fmt_spread(r, '{:.3f}'),
+                    '[{:.3f}, {:.3f}]'.format(*r['ci95']),
+                    procs(r),
+                    f"{r['best_of']:.3f}",
+                    ' vs '.join('-' if x is None else f'{x:.2f}' for x in r['x_torch_loop']),
+                    '-' if r['target'] is None else f"<= {r['target']:.2f}",
+                    '(A/A: the noise)' if r.get('control') else '(not judged)' if r['met'] is None else verdict(r),
+                ]
+                for r in t['targets']
+            ]
+            out += [
+                f"Targets (issue 26): this library's callback at or below the peer's ratio to the PyTorch loop, i.e. its {'wall' if gpu else 'CPU'} time "
+                "over the peer's, measured side by side in each repetition, at most 1 ('auto' at most 1.02x 'samples'). The rows "
+                "\"fastai's event dispatch\" are the library's callback with fastai's own `Learner.__call__`/`_call_one` put "
+                "back, to show what the library's exact dispatch (`patches`) saves; \"fastai's per-item and per-batch loader calls\" puts back "
+                "fastai's own `Learner.all_batches`/`DataLoader.create_batches`, to show what taking the training items as "
+                "the dataset holds them, and their batches as collated, saves (the same batches); 'OptimWrapper(torch AdamW)' shows what "
+                "fastai's `Adam` costs against the PyTorch optimizer the other loops use; \"on PyTorch's DataLoader\" shows the "
+                "library's callbacks on the loader the PyTorch, Accelerate and Lightning loops use (fastai's `Learner` takes it "
+                "as it is): what of the gap to them is fastai's loader.",
+                '',
+                "The median's 95% interval is a bootstrap of the repetitions' ratios (the processes resampled, then the "
+                "repetitions within each): 'met' where the median meets the target, and 'beyond noise' where the whole interval "
+                "does. "
+                + (
+                    f"The targets are judged on {t['judged_reps']} further repetitions of their rows alone, in "
                     f"{t.get('judged_procs', 1)} fresh process{'es' if t.get('judged_procs', 1) != 1 else ''} one after the other (a process's median moves from one process to "
                     "the next more than the repetitions within one say: 'process medians' gives the lowest and highest), each row "
                     f"in {t.get('instances', 1)} copies built alike and taken in turn, in a new random order at each repetition; "
                     "the rows not judged, on the table's. The A/A row is 'samples' against a second row of it, judged with the "
                     "targets: two identical rows differ by that much here, which a target's ratio is to be read against."
-                    if t.get('judged_reps') else ''), '',
-                    md_table([f"{'wall' if gpu else 'CPU'} time ratio", 'median [min, max]', "median's 95% interval", 'process medians', 'best-of',
-                              'x PyTorch loop, both', 'target', ''], trows), '']
+                    if t.get('judged_reps')
+                    else ''
+                ),
+                '',
+                md_table(
+                    [
+                        f"{'wall' if gpu else 'CPU'} time ratio",
+                        'median [min, max]',
+                        "median's 95% interval",
+                        'process medians',
+                        'best-of',
+                        'x PyTorch loop, both',
+                        'target',
+                        '',
+                    ],
+                    trows,
+                ),
+                '',
+            ]
     sy = res.get('syncs')
     if sy:
-        rows = [[k, f"{v['per_step']:.2f}", f"{v['per_micro_batch']:.2f}", f"{v['per_fit']:g}",
-                 ', '.join(f'{n:.2f} {kind}' for kind,n in v['by_kind'].items() if n) or '-', '; '.join(v['sites'][:3]) or '-']
-                + ([f"{v['cuda_per_step']:.2f}", f"{v['cuda_per_fit']:g}", '; '.join(v['cuda_sites'][:3]) or '-'] if gpu else []) for k,v in sy.items()]
+        rows = [
+            [
+                k,
+                f"{v['per_step']:.2f}",
+                f"{v['per_micro_batch']:.2f}",
+                f"{v['per_fit']:g}",
+                ', '.join(f'{n:.2f} {kind}' for kind, n in v['by_kind'].items() if n) or '-',
+                '; '.join(v['sites'][:3]) or '-',
+            ]
+            + (
+                [f"{v['cuda_per_step']:.2f}", f"{v['cuda_per_fit']:g}", '; '.join(v['cuda_sites'][:3]) or '-']
+                if gpu
+                else []
+            )
+            for k, v in sy.items()
+        ]
         cuda_cols = ['CUDA: per step', 'CUDA: per fit', 'CUDA: where'] if gpu else []
-        cuda_text = (" On the GPU, the last three columns are what CUDA itself reported (`torch.cuda.set_sync_debug_mode('warn')`, "
-                     "the loaders' work left out alike), a check of the first ones." if gpu else '')
-        out += ["### Host syncs per optimizer step",  '',
-                "What a fit of 2 epochs makes beyond a fit of 1 epoch, over that epoch's 25 optimizer steps (100 micro-batches): "
-                "an epoch's own syncs (its records) are spread over its steps; 'per fit' is what the 1-epoch fit made beyond its "
-                "epoch (setup, teardown). `.item()`, `bool()`, `.cpu()`, `.tolist()`, `.numpy()` of tensors that would be on the "
-                "GPU (`bench/syncs.py`); the loaders' work and `torch.optim`'s host step counts are left out. Where: the most "
-                "frequent sites in the 2-epoch fit." + cuda_text, '',
-                md_table(['way to train', 'per step', 'per micro-batch', 'per fit', 'kinds, per step', 'where (most frequent)'] + cuda_cols, rows), '']
+        cuda_text = (
+            " On the GPU, the last three columns are what CUDA itself reported (`torch.cuda.set_sync_debug_mode('warn')`, "
+            "the loaders' work left out alike), a check of the first ones."
+            if gpu
+            else ''
+        )
+        out += [
+            "### Host syncs per optimizer step",
+            '',
+            "What a fit of 2 epochs makes beyond a fit of 1 epoch, over that epoch's 25 optimizer steps (100 micro-batches): "
+            "an epoch's own syncs (its records) are spread over its steps; 'per fit' is what the 1-epoch fit made beyond its "
+            "epoch (setup, teardown). `.item()`, `bool()`, `.cpu()`, `.tolist()`, `.numpy()` of tensors that would be on the "
+            "GPU (`bench/syncs.py`); the loaders' work and `torch.optim`'s host step counts are left out. Where: the most "
+            "frequent sites in the 2-epoch fit." + cuda_text,
+            '',
+            md_table(
+                ['way to train', 'per step', 'per micro-batch', 'per fit', 'kinds, per step', 'where (most frequent)']
+                + cuda_cols,
+                rows,
+            ),
+            '',
+        ]
     op = res.get('ops')
     if op:
         rows = [[k, f"{v['auto']:.2f}", f"{v['samples']:.2f}", f"{v['auto']-v['samples']:+.2f}",
                  ', '.join(f'{n:+.2f} {name}' for name,n in v['extra'].items())] for k,v in op.items()]
-        out += ["### ATen ops per micro-batch: 'auto' against 'samples'", '',
-                "Every ATen op of a 1-epoch fit (forward, loss, backward, optimizer, the library's bookkeeping), counted with a "
-                "`TorchDispatchMode` and divided by the micro-batches: what 'auto' runs beyond 'samples'. The training set "
-                "here is a list of samples whose targets 'auto' reads once, none of them -100 (`ClassTargetCount`): it weighs "
-                "the micro-batches by their samples, as 'samples' does, plus the fit's first look at a micro-batch's loss and "
-                "each epoch's check of the losses' counts. `normalize_by=TokenCount()` counts the same targets on the device "
-                "in every micro-batch (and weighs the loss by them, adds the window's counts and scales the step), as 'auto' "
-                "did before it read the training set. Unlike a time, it does not depend on the machine's load.", '',
-                md_table(['callbacks (A / B)', 'A', 'B', 'A - B', 'A - B, by op, per micro-batch'], rows), '']
+        out += [
+            "### ATen ops per micro-batch: 'auto' against 'samples'",
+            '',
+            "Every ATen op of a 1-epoch fit (forward, loss, backward, optimizer, the library's bookkeeping), counted with a "
+            "`TorchDispatchMode` and divided by the micro-batches: what 'auto' runs beyond 'samples'. The training set "
+            "here is a list of samples whose targets 'auto' reads once, none of them -100 (`ClassTargetCount`): it weighs "
+            "the micro-batches by their samples, as 'samples' does, plus the fit's first look at a micro-batch's loss and "
+            "each epoch's check of the losses' counts. `normalize_by=TokenCount()` counts the same targets on the device "
+            "in every micro-batch (and weighs the loss by them, adds the window's counts and scales the step), as 'auto' "
+            "did before it read the training set. Unlike a time, it does not depend on the machine's load.",
+            '',
+            md_table(['callbacks (A / B)', 'A', 'B', 'A - B', 'A - B, by op, per micro-batch'], rows),
+            '',
+        ]
     ca = res.get('calls')
     if ca:
-        rows = [[k, f'{v:.0f}', f"{v/ca[TORCH_LOOP]:.2f}" if ca.get(TORCH_LOOP) else '-'] for k,v in sorted(ca.items(), key=lambda kv: kv[1])]
+        rows = [
+            [k, f'{v:.0f}', f"{v / ca[TORCH_LOOP]:.2f}" if ca.get(TORCH_LOOP) else '-']
+            for k, v in sorted(ca.items(), key=lambda kv: kv[1])
+        ]
         pairs = [(a, b) for a,b in TARGETS + [(GA_AUTO, GA_ITEMS), (GA_AUTO, GA_FAST)] if a in ca and b in ca]
-        out += ["### Python calls per micro-batch", '',
-                "The Python function calls (and calls of builtins from Python) that a fit's second epoch adds, per micro-batch "
-                "(`sys.setprofile`): the host's work counted rather than timed, so that it does not depend on the machine's load. "
-                "A call is no unit of time: this shows what each way to train asks of the interpreter, not what it costs.", '',
-                md_table(['way to train', 'calls / micro-batch', 'x PyTorch loop'], rows), '',
-                md_table(['calls, A / B', 'ratio'], [[f'{a} / {b}', f'{ca[a]/ca[b]:.3f}'] for a,b in pairs]), '']
+        out += [
+            "### Python calls per micro-batch",
+            '',
+            "The Python function calls (and calls of builtins from Python) that a fit's second epoch adds, per micro-batch "
+            "(`sys.setprofile`): the host's work counted rather than timed, so that it does not depend on the machine's load. "
+            "A call is no unit of time: this shows what each way to train asks of the interpreter, not what it costs.",
+            '',
+            md_table(['way to train', 'calls / micro-batch', 'x PyTorch loop'], rows),
+            '',
+            md_table(['calls, A / B', 'ratio'], [[f'{a} / {b}', f'{ca[a] / ca[b]:.3f}'] for a, b in pairs]),
+            '',
+        ]
     ex = res.get('exact')
     if ex:
         rows = [[k, v.get('reference', '-'), f"{v['max_param_diff']:.1e}" if 'max_param_diff' in v else v.get('error'),
                  v.get('lrs', '-')] for k,v in ex['rows'].items()]
-        out += [f"### Exactness: float64, a one-cycle schedule (lr_max {ex['lr']}), {ex['n_epoch']} epochs, against the large batch of the peer's framework", '',
-                md_table(['way to train', 'reference', 'max abs parameter difference', 'learning rates per step'], rows), '']
+        out += [
+            f"### Exactness: float64, a one-cycle schedule (lr_max {ex['lr']}), {ex['n_epoch']} epochs, against the large batch of the peer's framework",
+            '',
+            md_table(['way to train', 'reference', 'max abs parameter difference', 'learning rates per step'], rows),
+            '',
+        ]
     me = res.get('memory')
     if me:
         rows = [[k, fmt_spread(v['increase_mb'], '{:.1f}') if 'increase_mb' in v else v.get('error'),
                  f"{v['x_micro_batches']:.3f}" if 'x_micro_batches' in v else '-'] for k,v in me['rows'].items()]
-        out += [f"### Peak memory: {me['model']}, one epoch of {me['batch']} samples as {me['k']} micro-batches of {me['batch']//me['k']} "
-                f"(one step), resident-set increase over the epoch, {me['reps']} forked process(es) per peer", '',
-                md_table(['way to train', 'peak increase MB, median [min, max]', 'x PyTorch loop without accumulation'], rows), '']
+        out += [
+            f"### Peak memory: {me['model']}, one epoch of {me['batch']} samples as {me['k']} micro-batches of {me['batch'] // me['k']} "
+            f"(one step), resident-set increase over the epoch, {me['reps']} forked process(es) per peer",
+            '',
+            md_table(
+                ['way to train', 'peak increase MB, median [min, max]', 'x PyTorch loop without accumulation'], rows
+            ),
+            '',
+        ]
     if res.get('skipped'): out += ['Skipped: ' + '; '.join(f'{k} ({v})' for k,v in res['skipped'].items()), '']
     title = 'Peers' if res.get('name', 'peers') == 'peers' else f"Peers: {res['name']}"
     note = f"{res['note']}\n\n" if res.get('note') else ''
@@ -743,18 +1049,45 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--quick', action='store_true', help='a smoke test: 2 repetitions of 1 epoch, one memory repetition')
     p.add_argument('--reps', type=int, default=None, help='timed repetitions (default 41, quick 2)')
-    p.add_argument('--judged-reps', type=int, default=None, help="repetitions of the targets' rows alone, which judge them (default 200, quick 2; 0: the table's)")
-    p.add_argument('--judged-procs', type=int, default=None, help='fresh processes the judged repetitions are shared among (default 5, quick 1)')
+    p.add_argument(
+        '--judged-reps',
+        type=int,
+        default=None,
+        help="repetitions of the targets' rows alone, which judge them (default 200, quick 2; 0: the table's)",
+    )
+    p.add_argument(
+        '--judged-procs',
+        type=int,
+        default=None,
+        help='fresh processes the judged repetitions are shared among (default 5, quick 1)',
+    )
     p.add_argument('--instances', type=int, default=3, help="copies of each judged row, built alike and taken in turn")
-    p.add_argument('--judged-child', type=int, default=None, help=argparse.SUPPRESS) # a judged process: its repetitions, written to --out
-    p.add_argument('--seed', type=int, default=0, help=argparse.SUPPRESS) # ...and the seed of its rows' order
-    p.add_argument('--epochs', type=int, default=None, help='epochs per timed fit (default 1: short fits interleaved follow the load more closely)')
-    p.add_argument('--parts', default=None, help='default: time,syncs,ops,calls,exact,memory on the CPU; time,syncs,exact on a GPU '
-                   "(ATen ops do not depend on the device; memory is measured as the host's resident set)")
-    p.add_argument('--device', default='cpu', help="where the models train: 'cpu', or 'cuda' (each peer's loader moves the batches)")
+    # a judged process: its repetitions, written to --out
+    p.add_argument('--judged-child', type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument('--seed', type=int, default=0, help=argparse.SUPPRESS)  # ...and the seed of its rows' order
+    p.add_argument(
+        '--epochs',
+        type=int,
+        default=None,
+        help='epochs per timed fit (default 1: short fits interleaved follow the load more closely)',
+    )
+    p.add_argument(
+        '--parts',
+        default=None,
+        help='default: time,syncs,ops,calls,exact,memory on the CPU; time,syncs,exact on a GPU '
+        "(ATen ops do not depend on the device; memory is measured as the host's resident set)",
+    )
+    p.add_argument(
+        '--device',
+        default='cpu',
+        help="where the models train: 'cpu', or 'cuda' (each peer's loader moves the batches)",
+    )
     p.add_argument('--out', type=Path, default=RESULTS)
-    p.add_argument('--name', default='peers', help="the results' file name (<name>.json, .md) and section title: a partial run "
-                   "written beside the full one")
+    p.add_argument(
+        '--name',
+        default='peers',
+        help="the results' file name (<name>.json, .md) and section title: a partial run written beside the full one",
+    )
     p.add_argument('--note', default='', help="a sentence under the section's title (what this run is)")
     a = p.parse_args(argv)
     global DEVICE
@@ -767,19 +1100,42 @@ def main(argv=None):
         a.out.write_text(json.dumps(judged_fits(a.judged_child, a.epochs or 1, a.instances, a.seed)))
         return
     start = time.perf_counter()
-    res = dict(benchmark='peers', machine=machine(), versions=versions(), config=dict(threads=1, quick=a.quick, n_train=N_TRAIN,
-               micro_bs=MICRO_BS, accum_bs=ACCUM_BS, device=a.device, gpu=torch.cuda.get_device_name(a.device) if gpu else None),
-               skipped={}, name=a.name, note=a.note)
+    res = dict(
+        benchmark='peers',
+        machine=machine(),
+        versions=versions(),
+        config=dict(
+            threads=1,
+            quick=a.quick,
+            n_train=N_TRAIN,
+            micro_bs=MICRO_BS,
+            accum_bs=ACCUM_BS,
+            device=a.device,
+            gpu=torch.cuda.get_device_name(a.device) if gpu else None,
+        ),
+        skipped={},
+        name=a.name,
+        note=a.note,
+    )
     parts = (a.parts or ('time,syncs,exact' if gpu else 'time,syncs,ops,calls,exact,memory')).split(',')
-    if 'time' in parts: res['time'] = bench_time(a.reps or (2 if a.quick else 41), a.epochs or 1, res['skipped'],
-                                                 (2 if a.quick else 200) if a.judged_reps is None else a.judged_reps,
-                                                 (1 if a.quick else 5) if a.judged_procs is None else a.judged_procs, a.instances)
+    if 'time' in parts:
+        res['time'] = bench_time(
+            a.reps or (2 if a.quick else 41),
+            a.epochs or 1,
+            res['skipped'],
+            (2 if a.quick else 200) if a.judged_reps is None else a.judged_reps,
+            (1 if a.quick else 5) if a.judged_procs is None else a.judged_procs,
+            a.instances,
+        )
     if 'syncs' in parts: res['syncs'] = bench_syncs(res['skipped'])
     if 'ops' in parts: res['ops'] = bench_ops(res['skipped'])
     if 'calls' in parts: res['calls'] = bench_calls(res['skipped'])
     if 'exact' in parts: res['exact'] = bench_exact(res['skipped'], n_epoch=1 if a.quick else 2)
     if 'memory' in parts: res['memory'] = bench_memory(res['skipped'], reps=1 if a.quick else 2)
-    if 'time' in res: res['models'] = {'mlp': dict(ratios=[r for r in res['time']['targets'] if r['target'] is not None])} # run.py's summary
+    if 'time' in res:
+        res['models'] = {
+            'mlp': dict(ratios=[r for r in res['time']['targets'] if r['target'] is not None])
+        }  # run.py's summary
     res['load_end'] = [round(o, 2) for o in os.getloadavg()]
     res['seconds'] = time.perf_counter()-start
     text,md = report(res)

@@ -13,6 +13,7 @@ sums (4 bytes per parameter for the sums + at most one micro-batch's 2-byte grad
 from __future__ import annotations
 import argparse, itertools, statistics, sys, time, warnings
 from pathlib import Path
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import *
 
@@ -22,13 +23,18 @@ MB = 2**20
 
 def learner(accum_dtype, opt:str, hidden:int, micro_bs:int, k:int, n_train:int, probe=None):
     from fastai.basics import Learner, SGD, Adam
-    import fastai.callback.progress # `Learner.no_bar` (the library imports none of fastai's callback modules)
+    import fastai.callback.progress  # noqa: F401 `Learner.no_bar` (the library imports none of fastai's callback modules)
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
     x,y = digits_tensors(n_train, dtype=torch.bfloat16)
     model = mlp(hidden, 2).to(torch.bfloat16)
-    cbs = [skip_validation(), GradientAccumulation(micro_bs*k, accum_dtype=accum_dtype)] + ([probe] if probe is not None else [])
-    loss = lambda out,y: torch.nn.functional.cross_entropy(out, y).float() # the Recorder smooths in float32
-    return Learner(dls_of(x, y, micro_bs), model, loss_func=loss, opt_func=dict(sgd=SGD, adam=Adam)[opt], lr=1e-3, cbs=cbs)
+    cbs = [skip_validation(), GradientAccumulation(micro_bs * k, accum_dtype=accum_dtype)] + (
+        [probe] if probe is not None else []
+    )
+    loss = lambda out,y: torch.nn.functional.cross_entropy(out, y).float()  # the Recorder smooths in float32
+    return Learner(
+        dls_of(x, y, micro_bs), model, loss_func=loss, opt_func=dict(sgd=SGD, adam=Adam)[opt], lr=1e-3, cbs=cbs
+    )
+
 
 def fit(learn):
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
@@ -39,7 +45,9 @@ def profiled_peak(learn)->int:
     "Peak live CPU bytes over `fit`, above those live at its start, from the profiler's memory events"
     from torch.profiler import profile, ProfilerActivity
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof: fit(learn)
-    evs = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == '[memory]'), key=lambda e: e.start_ns())
+    evs = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == '[memory]'), key=lambda e: e.start_ns()
+    )
     return max(itertools.accumulate((e.nbytes() for e in evs), initial=0))
 
 def grad_probe():
@@ -73,23 +81,58 @@ def bench_model(opt:str, reps:int, hidden:int, micro_bs:int, k:int, n_train:int)
             if r: cpu[v].append(c1-c0)
     n_params = sum(p.numel() for p in mlp(hidden, 2).parameters())
     t = spread(a/b for a,b in zip(cpu[F32], cpu[BF16]))
-    ratios = [dict(measure='peak_gradient_memory', variant=F32, reference=BF16, median=grad_mem[F32]/grad_mem[BF16],
-                   min=grad_mem[F32]/grad_mem[BF16], max=grad_mem[F32]/grad_mem[BF16], target=3.0, met=grad_mem[F32] <= 3*grad_mem[BF16]),
-              dict(measure='peak_memory', variant=F32, reference=BF16, median=mem[F32]/mem[BF16], min=mem[F32]/mem[BF16],
-                   max=mem[F32]/mem[BF16], target=None, met=None),
-              dict(measure='cpu_time', variant=F32, reference=BF16, **t, target=None, met=None,
-                   extra_us_per_micro_batch=statistics.median(a-b for a,b in zip(cpu[F32], cpu[BF16]))/n_micro*1e6)]
-    variants = {v: dict(peak_mb=mem[v]/MB, peak_bytes_per_param=mem[v]/n_params, grad_peak_mb=grad_mem[v]/MB,
-                        grad_bytes_per_param=grad_mem[v]/n_params, cpu_s=cpu[v], us_per_micro_batch=statistics.median(cpu[v])/n_micro*1e6)
-                for v in VARIANTS}
+    ratios = [
+        dict(
+            measure='peak_gradient_memory',
+            variant=F32,
+            reference=BF16,
+            median=grad_mem[F32] / grad_mem[BF16],
+            min=grad_mem[F32] / grad_mem[BF16],
+            max=grad_mem[F32] / grad_mem[BF16],
+            target=3.0,
+            met=grad_mem[F32] <= 3 * grad_mem[BF16],
+        ),
+        dict(
+            measure='peak_memory',
+            variant=F32,
+            reference=BF16,
+            median=mem[F32] / mem[BF16],
+            min=mem[F32] / mem[BF16],
+            max=mem[F32] / mem[BF16],
+            target=None,
+            met=None,
+        ),
+        dict(
+            measure='cpu_time',
+            variant=F32,
+            reference=BF16,
+            **t,
+            target=None,
+            met=None,
+            extra_us_per_micro_batch=statistics.median(a - b for a, b in zip(cpu[F32], cpu[BF16])) / n_micro * 1e6,
+        ),
+    ]
+    variants = {
+        v: dict(
+            peak_mb=mem[v] / MB,
+            peak_bytes_per_param=mem[v] / n_params,
+            grad_peak_mb=grad_mem[v] / MB,
+            grad_bytes_per_param=grad_mem[v] / n_params,
+            cpu_s=cpu[v],
+            us_per_micro_batch=statistics.median(cpu[v]) / n_micro * 1e6,
+        )
+        for v in VARIANTS
+    }
     return dict(model=f'MLP 64-{hidden}-{hidden}-10 in bfloat16', opt=opt, n_params=n_params, micro_bs=micro_bs, k=k,
                 n_train=n_train, variants=variants, ratios=ratios)
 
 def report(res:dict)->tuple[str,str]:
     cfg = res['config']
-    head = (f"Precision: GradientAccumulation on a bfloat16 MLP, windows of {cfg['k']} micro-batches of {cfg['micro_bs']}, "
-            f"{cfg['n_train']} digits samples, fit(1); memory from the torch profiler's allocations (peak over the fit, above "
-            f"the start) and from gradient hooks (gradients + float32 sums); CPU time over {cfg['reps']} interleaved repetitions.")
+    head = (
+        f"Precision: GradientAccumulation on a bfloat16 MLP, windows of {cfg['k']} micro-batches of {cfg['micro_bs']}, "
+        f"{cfg['n_train']} digits samples, fit(1); memory from the torch profiler's allocations (peak over the fit, above "
+        f"the start) and from gradient hooks (gradients + float32 sums); CPU time over {cfg['reps']} interleaved repetitions."
+    )
     text,md = [head, ''],[f"## Precision\n\n{head}\n\nMachine: {describe(res['machine'])}\n"]
     headers = ['variant', 'peak MB', 'bytes/param', 'grads+sums MB', 'bytes/param', 'us / micro-batch']
     for key,m in res['models'].items():
@@ -98,7 +141,9 @@ def report(res:dict)->tuple[str,str]:
         title = f"{key}: {m['model']} ({m['n_params']:,} parameters), {m['opt']}"
         lines = []
         for r in m['ratios']:
-            extra = f"; {r['extra_us_per_micro_batch']:+.0f} us per micro-batch" if 'extra_us_per_micro_batch' in r else ''
+            extra = (
+                f"; {r['extra_us_per_micro_batch']:+.0f} us per micro-batch" if 'extra_us_per_micro_batch' in r else ''
+            )
             tgt = '' if r['target'] is None else f" target <= {r['target']:.2f}: {'met' if r['met'] else 'NOT met'}"
             lines.append(f"RATIO {key}: {r['measure']}: {r['variant']} / {r['reference']} = {r['median']:.3f}x "
                          f"[min {r['min']:.3f}, max {r['max']:.3f}]{extra}{tgt}")
@@ -118,8 +163,12 @@ def main(argv=None):
     reps,hidden = a.reps or (1 if a.quick else 7),a.hidden or (256 if a.quick else 1024)
     n_train = a.micro_bs*a.k*(2 if a.quick else 4)
     set_threads(1)
-    res = dict(benchmark='precision', machine=machine(), config=dict(reps=reps, hidden=hidden, micro_bs=a.micro_bs, k=a.k,
-               n_train=n_train, quick=a.quick), models={})
+    res = dict(
+        benchmark='precision',
+        machine=machine(),
+        config=dict(reps=reps, hidden=hidden, micro_bs=a.micro_bs, k=a.k, n_train=n_train, quick=a.quick),
+        models={},
+    )
     start = time.perf_counter()
     for opt in ('sgd', 'adam'): res['models'][f'mlp/{opt}'] = bench_model(opt, reps, hidden, a.micro_bs, a.k, n_train)
     finish('precision', res, report, start, a.out)

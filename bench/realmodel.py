@@ -22,7 +22,7 @@ Output: `<out>/realmodel_<device>.json` and `.md`, the device in the name (`cpu`
     python bench/realmodel.py --quick    # tiny: a check that the script runs
 """
 from __future__ import annotations
-import argparse, gc, math, re, statistics, sys, time
+import argparse, gc, re, statistics, sys, time
 from functools import partial
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,9 +63,19 @@ class ResBlock(nn.Module):
     "Two 3x3 convolutions with GroupNorm, residual (a 1x1 convolution where the shape changes)"
     def __init__(self, c_in, c_out, stride, groups):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.GroupNorm(groups, c_out), nn.ReLU(),
-                                  nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), nn.GroupNorm(groups, c_out))
-        self.skip = nn.Identity() if stride == 1 and c_in == c_out else nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.GroupNorm(groups, c_out))
+        self.body = nn.Sequential(
+            nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False),
+            nn.GroupNorm(groups, c_out),
+            nn.ReLU(),
+            nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False),
+            nn.GroupNorm(groups, c_out),
+        )
+        self.skip = (
+            nn.Identity()
+            if stride == 1 and c_in == c_out
+            else nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.GroupNorm(groups, c_out))
+        )
+
     def forward(self, x): return F.relu(self.body(x) + self.skip(x))
 
 def gn_cnn(width, n_classes=10, groups=8):
@@ -99,7 +109,10 @@ def make_data(key, s, dev):
     if key == 'lm':
         x = torch.randint(0, s['vocab'], (n, s['seq']+1), device=dev, generator=g)
         return x[:, :-1].contiguous(),x[:, 1:].contiguous()
-    return torch.randn(n, 3, s['px'], s['px'], device=dev, generator=g),torch.randint(0, 10, (n,), device=dev, generator=g)
+    return torch.randn(n, 3, s['px'], s['px'], device=dev, generator=g), torch.randint(
+        0, 10, (n,), device=dev, generator=g
+    )
+
 
 # --- the ways to train ---
 
@@ -151,8 +164,13 @@ def build(variant, opt_name, key, s, x, y, amp, dev):
     mb,accum = s['micro_bs'],s['micro_bs']*s['k']
     cbs = [SkipValidation()] + ([MixedPrecision(amp_mode='bf16')] if amp else [])
     bs = accum if variant == 'MicroBatching' else mb
-    cbs += {'fastai alone': [], 'GA': [GradientAccumulation(accum)], 'GA + RecordOnDevice': [GradientAccumulation(accum), RecordOnDevice()],
-            'MicroBatching': [MicroBatching(mb, verbose=False)], 'fastai GA': [FastaiGA(accum)]}[variant]
+    cbs += {
+        'fastai alone': [],
+        'GA': [GradientAccumulation(accum)],
+        'GA + RecordOnDevice': [GradientAccumulation(accum), RecordOnDevice()],
+        'MicroBatching': [MicroBatching(mb, verbose=False)],
+        'fastai GA': [FastaiGA(accum)],
+    }[variant]
     opt_func = Adam if opt_name == 'fastai Adam' else partial(OptimWrapper, opt=torch.optim.AdamW)
     return FastaiFit(Learner(device_dls(x, y, bs, dev), model, loss_func=loss, opt_func=opt_func, lr=LR, cbs=cbs))
 
@@ -187,9 +205,14 @@ def run_model(key, s, passes, amp, dev, judged, warm_up=True):
         for k,(t,m) in got.items(): per[k]['s_per_sample'].append(t); per[k]['peak_bytes'].append(m)
         for o in OPTS:
             for v in VARIANTS:
-                if v != 'loop': ratios.setdefault(('time per sample', o, v, 'loop'), []).append(got[(o, v)][0]/got[(o, 'loop')][0])
+                if v != 'loop':
+                    ratios.setdefault(('time per sample', o, v, 'loop'), []).append(
+                        got[(o, v)][0] / got[(o, 'loop')][0]
+                    )
                 if v != 'fastai alone' and got[(o, v)][1] is not None:
-                    ratios.setdefault(('peak memory', o, v, 'fastai alone'), []).append(got[(o, v)][1]/got[(o, 'fastai alone')][1])
+                    ratios.setdefault(('peak memory', o, v, 'fastai alone'), []).append(
+                        got[(o, v)][1] / got[(o, 'fastai alone')][1]
+                    )
     return dict(sizes=s, samples_per_epoch=n,
                 variants={f'{o} / {v}': per[(o, v)] for o,v in names},
                 ratios=[ratio(m, f'{v} ({o})', f'{ref} ({o})', vals, judged) for (m,o,v,ref),vals in ratios.items()])
@@ -203,22 +226,51 @@ def report(res):
     for key,m in res['models'].items():
         for r in m['ratios']:
             verdict = ('met' if r['met'] else 'NOT MET') if judged else 'not judged on CPU'
-            rows.append([key, r['measure'], f"{r['variant']} / {r['reference']}", f"{r['median']:.3f}", f"[{r['min']:.3f}, {r['max']:.3f}]",
-                         f"<= {TIME_TARGET if r['measure'] == 'time per sample' else MEM_TARGET:.2f}", verdict])
+            rows.append(
+                [
+                    key,
+                    r['measure'],
+                    f"{r['variant']} / {r['reference']}",
+                    f"{r['median']:.3f}",
+                    f"[{r['min']:.3f}, {r['max']:.3f}]",
+                    f"<= {TIME_TARGET if r['measure'] == 'time per sample' else MEM_TARGET:.2f}",
+                    verdict,
+                ]
+            )
     head = ['model', 'measure', 'ratio', 'median', 'min-max', 'target', '']
-    times = [[key, v, f"{1e3*statistics.median(o['s_per_sample']):.3f}"] + ([f"{statistics.median(o['peak_bytes'])/2**20:.0f}"] if o['peak_bytes'][0] is not None else ['-'])
-             for key,m in res['models'].items() for v,o in m['variants'].items()]
-    text = '\n'.join([f"realmodel on {res['device']} ({'bf16 autocast' if res['amp'] else 'float32'}), {res['passes']} passes",
-                      text_table(['model', 'optimizer / variant', 'ms per sample', 'peak MiB'], times), '', text_table(head, rows)])
-    md = '\n'.join([f"## Real models on {res['device']}", '',
-                    f"A small transformer LM and a GroupNorm CNN ({'bf16 autocast' if res['amp'] else 'float32'}); ratios within each of "
-                    f"{res['passes']} passes, median [min, max]. Targets are judged on a GPU only.", '',
-                    md_table(['model', 'optimizer / variant', 'ms per sample', 'peak MiB'], times), '', md_table(head, rows)])
+    times = [
+        [key, v, f"{1e3 * statistics.median(o['s_per_sample']):.3f}"]
+        + ([f"{statistics.median(o['peak_bytes']) / 2**20:.0f}"] if o['peak_bytes'][0] is not None else ['-'])
+        for key, m in res['models'].items()
+        for v, o in m['variants'].items()
+    ]
+    text = '\n'.join(
+        [
+            f"realmodel on {res['device']} ({'bf16 autocast' if res['amp'] else 'float32'}), {res['passes']} passes",
+            text_table(['model', 'optimizer / variant', 'ms per sample', 'peak MiB'], times),
+            '',
+            text_table(head, rows),
+        ]
+    )
+    md = '\n'.join(
+        [
+            f"## Real models on {res['device']}",
+            '',
+            f"A small transformer LM and a GroupNorm CNN ({'bf16 autocast' if res['amp'] else 'float32'}); ratios within each of "
+            f"{res['passes']} passes, median [min, max]. Targets are judged on a GPU only.",
+            '',
+            md_table(['model', 'optimizer / variant', 'ms per sample', 'peak MiB'], times),
+            '',
+            md_table(head, rows),
+        ]
+    )
     return text,md
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--quick', action='store_true', help='tiny sizes, 3 passes, no warm-up: a check that the script runs')
+    p.add_argument(
+        '--quick', action='store_true', help='tiny sizes, 3 passes, no warm-up: a check that the script runs'
+    )
     p.add_argument('--passes', type=int, default=3, help='interleaved passes (at least 3)')
     p.add_argument('--out', type=Path, default=None)
     a = p.parse_args(argv)
@@ -228,9 +280,18 @@ def main(argv=None):
     amp = dev.type == 'cuda' # bf16 on the GPU, float32 on the CPU
     sizes = SIZES['quick' if a.quick else ('gpu' if amp else 'cpu')]
     start = time.perf_counter()
-    res = dict(benchmark='realmodel', device=device_name(dev), amp=amp, passes=passes, quick=a.quick, judged=dev.type == 'cuda',
-               machine=machine(), models={})
-    for key,s in sizes.items(): res['models'][key] = run_model(key, s, passes, amp, dev, res['judged'], warm_up=not a.quick)
+    res = dict(
+        benchmark='realmodel',
+        device=device_name(dev),
+        amp=amp,
+        passes=passes,
+        quick=a.quick,
+        judged=dev.type == 'cuda',
+        machine=machine(),
+        models={},
+    )
+    for key, s in sizes.items():
+        res['models'][key] = run_model(key, s, passes, amp, dev, res['judged'], warm_up=not a.quick)
     res['seconds'] = time.perf_counter()-start
     res['targets_met'] = all(r['met'] for m in res['models'].values() for r in m['ratios']) if res['judged'] else None
     text,md = report(res)

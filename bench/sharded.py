@@ -18,7 +18,7 @@ reduce-scatter, DDP's `.grad`; DDP's bucket copy not included), the largest over
 
 Run: `python bench/sharded.py` (it starts torchrun itself; `--quick` for a smoke test)."""
 from __future__ import annotations
-import argparse, contextlib, gc, io, os, sys, time
+import argparse, contextlib, gc, io, sys, time
 from functools import partial
 from pathlib import Path
 BENCH = Path(__file__).resolve().parent
@@ -27,7 +27,9 @@ from common import *
 
 DDP = 'DDP'
 VARIANTS = [DDP, "FSDP2 'micro_batch'", "FSDP2 'window'", "FSDP1 'micro_batch'", "FSDP1 'window'"]
-def engine_of(v:str)->tuple[str,str]: return ('ddp', 'auto') if v == DDP else (v.split()[0].lower(), v.split()[1].strip("'"))
+def engine_of(v: str) -> tuple[str, str]:
+    return ('ddp', 'auto') if v == DDP else (v.split()[0].lower(), v.split()[1].strip("'"))
+
 
 def worker(a):
     import torch, torch.distributed as dist
@@ -49,9 +51,17 @@ def worker(a):
         engine,sync = engine_of(v)
         model = shard_model(mlp(a.hidden, a.layers), engine)
         ga,measure = GradientAccumulation(a.accum_bs, grad_sync=sync),Measure(counter)
-        dls = DataLoaders(tensor_dl(x, y, a.micro_bs), tensor_dl(x[:a.micro_bs], y[:a.micro_bs], a.micro_bs), device='cpu')
-        learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=partial(OptimWrapper, opt=torch.optim.SGD),
-                        lr=0.01, cbs=[skip_validation(), ga, measure])
+        dls = DataLoaders(
+            tensor_dl(x, y, a.micro_bs), tensor_dl(x[: a.micro_bs], y[: a.micro_bs], a.micro_bs), device='cpu'
+        )
+        learn = Learner(
+            dls,
+            model,
+            loss_func=nn.CrossEntropyLoss(),
+            opt_func=partial(OptimWrapper, opt=torch.optim.SGD),
+            lr=0.01,
+            cbs=[skip_validation(), ga, measure],
+        )
         learn.remove_cb(ProgressCallback)
         learn.logger = noop
         with contextlib.redirect_stdout(io.StringIO()):
@@ -60,8 +70,17 @@ def worker(a):
             learn.fit(a.epochs)
             dist.barrier()
             t = time.perf_counter() - t
-        return t,dict(collectives=measure.collectives, peak=measure.peak, n_steps=len(measure.steps), n_backward=measure.n_backward,
-                      sync=repr(getattr(ga, "windows", ga).sync)),full_params(learn.model)
+        return (
+            t,
+            dict(
+                collectives=measure.collectives,
+                peak=measure.peak,
+                n_steps=len(measure.steps),
+                n_backward=measure.n_backward,
+                sync=repr(getattr(ga, "windows", ga).sync),
+            ),
+            full_params(learn.model),
+        )
     times,stats,params = {v: [] for v in VARIANTS},{},{}
     for rep in range(a.reps + 1): # the first round warms up
         for v in (VARIANTS if rep % 2 else VARIANTS[::-1]):
@@ -78,30 +97,54 @@ def worker(a):
         s,n = stats[v],stats[v]['n_steps']
         c = s['collectives']
         per_step = lambda k: c.get(k, 0)/n
-        variants[v] = dict(sync=s['sync'], steps=n, micro_batches=s['n_backward'], times_s=times[v],
-                           ms_per_step=1e3*spread(times[v])['median']/n,
-                           reduce_scatters=per_step('engine_reduce_scatter'), all_reduces=per_step('engine_all_reduce'),
-                           all_gathers=per_step('engine_all_gather'),
-                           grad_collectives=per_step('engine_reduce_scatter') + per_step('engine_all_reduce'),
-                           grad_bytes_reduced=per_step('engine_reduce_scatter_bytes') + per_step('engine_all_reduce_bytes'),
-                           param_bytes_gathered=per_step('engine_all_gather_bytes'), library_all_reduces=per_step('library_all_reduce'),
-                           peak_grad_bytes=p.tolist(), max_param_diff_vs_ddp=max((q-r).abs().max().item() for q,r in zip(params[v], params[DDP])))
+        variants[v] = dict(
+            sync=s['sync'],
+            steps=n,
+            micro_batches=s['n_backward'],
+            times_s=times[v],
+            ms_per_step=1e3 * spread(times[v])['median'] / n,
+            reduce_scatters=per_step('engine_reduce_scatter'),
+            all_reduces=per_step('engine_all_reduce'),
+            all_gathers=per_step('engine_all_gather'),
+            grad_collectives=per_step('engine_reduce_scatter') + per_step('engine_all_reduce'),
+            grad_bytes_reduced=per_step('engine_reduce_scatter_bytes') + per_step('engine_all_reduce_bytes'),
+            param_bytes_gathered=per_step('engine_all_gather_bytes'),
+            library_all_reduces=per_step('library_all_reduce'),
+            peak_grad_bytes=p.tolist(),
+            max_param_diff_vs_ddp=max((q - r).abs().max().item() for q, r in zip(params[v], params[DDP])),
+        )
     k = a.accum_bs//a.micro_bs
     def ratio(key, v, ref, target=None):
         f = (lambda o: max(o)) if key == 'peak_grad_bytes' else (lambda o: o)
         r = f(variants[v][key])/f(variants[ref][key])
         return dict(measure=key, variant=v, reference=ref, median=r, min=r, max=r, target=target,
                     met=None if target is None else r <= target)
-    ratios = [ratio('peak_grad_bytes', "FSDP2 'micro_batch'", DDP, 1/world + 0.01), ratio('peak_grad_bytes', "FSDP2 'window'", DDP),
-              ratio('peak_grad_bytes', "FSDP1 'micro_batch'", DDP, 1/world + 0.01), ratio('peak_grad_bytes', "FSDP1 'window'", DDP),
-              ratio('grad_bytes_reduced', "FSDP2 'micro_batch'", DDP), ratio('grad_bytes_reduced', "FSDP2 'window'", DDP, 1.01),
-              ratio('grad_bytes_reduced', "FSDP2 'window'", "FSDP2 'micro_batch'", 1/k + 0.001),
-              ratio('grad_bytes_reduced', "FSDP1 'window'", "FSDP1 'micro_batch'", 1/k + 0.001),
-              ratio('grad_collectives', "FSDP2 'window'", "FSDP2 'micro_batch'", 1/k + 0.001),
-              ratio('grad_collectives', "FSDP2 'micro_batch'", DDP), ratio('grad_collectives', "FSDP2 'window'", DDP),
-              ratio('ms_per_step', "FSDP2 'micro_batch'", DDP), ratio('ms_per_step', "FSDP2 'window'", "FSDP2 'micro_batch'")]
-    res = dict(benchmark='sharded', machine=machine(), config=vars(a) | dict(out=str(a.out)), world_size=world, n_params=n_params,
-               micro_batches_per_window=k, variants=variants, models={'mlp': dict(ratios=ratios)})
+
+    ratios = [
+        ratio('peak_grad_bytes', "FSDP2 'micro_batch'", DDP, 1 / world + 0.01),
+        ratio('peak_grad_bytes', "FSDP2 'window'", DDP),
+        ratio('peak_grad_bytes', "FSDP1 'micro_batch'", DDP, 1 / world + 0.01),
+        ratio('peak_grad_bytes', "FSDP1 'window'", DDP),
+        ratio('grad_bytes_reduced', "FSDP2 'micro_batch'", DDP),
+        ratio('grad_bytes_reduced', "FSDP2 'window'", DDP, 1.01),
+        ratio('grad_bytes_reduced', "FSDP2 'window'", "FSDP2 'micro_batch'", 1 / k + 0.001),
+        ratio('grad_bytes_reduced', "FSDP1 'window'", "FSDP1 'micro_batch'", 1 / k + 0.001),
+        ratio('grad_collectives', "FSDP2 'window'", "FSDP2 'micro_batch'", 1 / k + 0.001),
+        ratio('grad_collectives', "FSDP2 'micro_batch'", DDP),
+        ratio('grad_collectives', "FSDP2 'window'", DDP),
+        ratio('ms_per_step', "FSDP2 'micro_batch'", DDP),
+        ratio('ms_per_step', "FSDP2 'window'", "FSDP2 'micro_batch'"),
+    ]
+    res = dict(
+        benchmark='sharded',
+        machine=machine(),
+        config=vars(a) | dict(out=str(a.out)),
+        world_size=world,
+        n_params=n_params,
+        micro_batches_per_window=k,
+        variants=variants,
+        models={'mlp': dict(ratios=ratios)},
+    )
     text,md = report(res)
     print(text, flush=True)
     path = write_results('sharded', res, md, a.out)
@@ -113,16 +156,36 @@ LABELS = dict(peak_grad_bytes='peak gradient bytes per process', grad_bytes_redu
 def report(res)->tuple[str,str]:
     c,k = res['config'],res['micro_batches_per_window']
     full = 4*res['n_params']
-    head = (f"Sharded: {res['world_size']} processes (torchrun, gloo, CPU, {c['threads']} torch thread(s) each); MLP "
-            f"64-{'-'.join([str(c['hidden'])]*c['layers'])}-10 ({res['n_params']:,} float32 parameters: {full:,} B of gradient), "
-            f"{c['layers']+1} Linear layers sharded one by one; {c['n_train']} digits samples ({c['n_train']//res['world_size']} per process), "
-            f"micro-batches of {c['micro_bs']}, accum_bs={c['accum_bs']} per process ({k} micro-batches per window), "
-            f"SGD; {c['reps']} interleaved repetitions of fit({c['epochs']}) after a warm-up round.")
-    headers = ['variant', 'reduce-scatters / window', 'all-reduces / window', 'gradient MB reduced / window',
-               'all-gathers / window', 'parameter MB gathered / window', 'peak gradient bytes (rank 0, rank 1)', 'ms / step']
-    rows = [[v, f"{r['reduce_scatters']:g}", f"{r['all_reduces']:g}", f"{r['grad_bytes_reduced']/1e6:.2f}", f"{r['all_gathers']:g}",
-             f"{r['param_bytes_gathered']/1e6:.2f}", ', '.join(f'{b:,}' for b in r['peak_grad_bytes']), f"{r['ms_per_step']:.1f}"]
-            for v,r in res['variants'].items()]
+    head = (
+        f"Sharded: {res['world_size']} processes (torchrun, gloo, CPU, {c['threads']} torch thread(s) each); MLP "
+        f"64-{'-'.join([str(c['hidden'])] * c['layers'])}-10 ({res['n_params']:,} float32 parameters: {full:,} B of gradient), "
+        f"{c['layers'] + 1} Linear layers sharded one by one; {c['n_train']} digits samples ({c['n_train'] // res['world_size']} per process), "
+        f"micro-batches of {c['micro_bs']}, accum_bs={c['accum_bs']} per process ({k} micro-batches per window), "
+        f"SGD; {c['reps']} interleaved repetitions of fit({c['epochs']}) after a warm-up round."
+    )
+    headers = [
+        'variant',
+        'reduce-scatters / window',
+        'all-reduces / window',
+        'gradient MB reduced / window',
+        'all-gathers / window',
+        'parameter MB gathered / window',
+        'peak gradient bytes (rank 0, rank 1)',
+        'ms / step',
+    ]
+    rows = [
+        [
+            v,
+            f"{r['reduce_scatters']:g}",
+            f"{r['all_reduces']:g}",
+            f"{r['grad_bytes_reduced'] / 1e6:.2f}",
+            f"{r['all_gathers']:g}",
+            f"{r['param_bytes_gathered'] / 1e6:.2f}",
+            ', '.join(f'{b:,}' for b in r['peak_grad_bytes']),
+            f"{r['ms_per_step']:.1f}",
+        ]
+        for v, r in res['variants'].items()
+    ]
     lines = []
     for r in res['models']['mlp']['ratios']:
         t = '' if r['target'] is None else f" (target <= {r['target']:.3f}: {'met' if r['met'] else 'NOT MET'})"
@@ -142,7 +205,9 @@ def main(argv=None):
     p.add_argument('--quick', action='store_true', help='a smoke test of a few seconds: 1 repetition, a smaller model')
     p.add_argument('--reps', type=int, default=None, help='timed repetitions per variant (default 3, quick 1)')
     p.add_argument('--epochs', type=int, default=1)
-    p.add_argument('--n-train', type=int, default=None, help='samples in all (default 2048, quick 512), split over the 2 processes')
+    p.add_argument(
+        '--n-train', type=int, default=None, help='samples in all (default 2048, quick 512), split over the 2 processes'
+    )
     p.add_argument('--micro-bs', type=int, default=16)
     p.add_argument('--accum-bs', type=int, default=128, help='samples per step per process')
     p.add_argument('--hidden', type=int, default=None, help='hidden units (default 512, quick 64)')

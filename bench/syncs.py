@@ -37,7 +37,8 @@ _aten = torch.ops.aten
 SYNC_OPS = {_aten._local_scalar_dense.default: 'item/bool/float', _aten.is_nonzero.default: 'is_nonzero',
             _aten.equal.default: 'equal'}
 HOST_COPIES = {torch.Tensor.cpu: '.cpu()', torch.Tensor.tolist: '.tolist()', torch.Tensor.numpy: '.numpy()'}
-_TORCH = os.path.dirname(torch.__file__) + os.sep # torch's own frames (not a path that merely holds 'torch', as /opt/torch/.venv)
+# torch's own frames (not a path that merely holds 'torch', as /opt/torch/.venv)
+_TORCH = os.path.dirname(torch.__file__) + os.sep
 _SKIP = (os.sep + 'syncs.py', os.sep + 'contextlib.py', os.sep + 'warnings.py')
 
 def _in_optim(f)->bool:
@@ -49,7 +50,8 @@ def _in_optim(f)->bool:
 
 def _site(f)->str:
     "The first frame outside torch and this module: where the sync was asked for"
-    while f is not None and (f.f_code.co_filename.startswith(_TORCH) or f.f_code.co_filename.endswith(_SKIP)): f = f.f_back
+    while f is not None and (f.f_code.co_filename.startswith(_TORCH) or f.f_code.co_filename.endswith(_SKIP)):
+        f = f.f_back
     if f is None: return '?'
     parts = f.f_code.co_filename.replace('\\', '/').split('/')
     return f"{'/'.join(parts[-2:])}:{f.f_lineno} ({f.f_code.co_name})"
@@ -79,7 +81,12 @@ def blocking_copy(func, args, kwargs, host_is_device:bool)->bool:
     if not devs: return False # a dtype or memory-format change
     if devs[0].type != src.device.type: return True
     # no GPU in the process: the host stands for the device (a `.to(tensor)` only changes the dtype: not counted)
-    return host_is_device and src.device.type == 'cpu' and not isinstance(cands[0] if cands[0] is not None else args[1], torch.Tensor)
+    return (
+        host_is_device
+        and src.device.type == 'cpu'
+        and not isinstance(cands[0] if cands[0] is not None else args[1], torch.Tensor)
+    )
+
 
 _COPY_FUNCS = (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_)
 
@@ -170,7 +177,9 @@ def paused_iter(it, counter:SyncCounter):
 def pause_loader(dl, counter:SyncCounter):
     "Make `dl` (a PyTorch or fastai loader) yield its batches with `counter` paused: what it does on the host is not a sync"
     cls = type(dl)
-    dl.__class__ = type(cls.__name__, (cls,), {'__iter__': lambda self: paused_iter(lambda: cls.__iter__(self), counter)})
+    dl.__class__ = type(
+        cls.__name__, (cls,), {'__iter__': lambda self: paused_iter(lambda: cls.__iter__(self), counter)}
+    )
     return dl
 
 # --- syncs per optimizer step of each way to train, before and after the training loader's copies go non-blocking ---
@@ -194,9 +203,15 @@ def _learner(kind:str, non_blocking:bool):
               'MicroBatching + RecordOnDevice': ([MicroBatching(16, verbose=False), RecordOnDevice()], 64)}[kind]
     dev = 'cuda' if torch.cuda.is_available() else 'cpu'
     dls = DataLoaders.from_dsets(list(zip(x, y)), [], bs=bs, num_workers=0, device=dev)
-    learn = Learner(dls, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).to(dev), loss_func=nn.CrossEntropyLoss(), cbs=cbs)
+    learn = Learner(
+        dls,
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).to(dev),
+        loss_func=nn.CrossEntropyLoss(),
+        cbs=cbs,
+    )
     learn.remove_cb(ProgressCallback); learn.logger = noop
-    learn.library_copies = non_blocking # this library's fits: its loader takeover on (the default) or off (`patches.FAST`)
+    # this library's fits: its loader takeover on (the default) or off (`patches.fastai_own`)
+    learn.library_copies = non_blocking
     if non_blocking and kind.startswith('fastai'): # fastai's own fits: what that takeover does, by hand
         learn.dls.train.device = None
         learn._set_device = partial(to_device_non_blocking, learn)
@@ -204,9 +219,8 @@ def _learner(kind:str, non_blocking:bool):
 
 def per_step(learn, steps_per_epoch:int):
     "Syncs (host reads and blocking copies to the device) per optimizer step: a 2-epoch fit's over a 1-epoch fit's, after a warm-up fit"
-    from fastxtend_accum.patches import FAST
-    saved = dict(FAST)
-    FAST['copies'] = getattr(learn, 'library_copies', True)
+    saved = os.environ.get('FXA_FASTAI_OWN') # `patches.fastai_own`: the loader's copies fastai's own, or not
+    os.environ['FXA_FASTAI_OWN'] = '' if getattr(learn, 'library_copies', True) else 'copies'
     try:
         learn.fit(1)
         cs = []
@@ -215,12 +229,22 @@ def per_step(learn, steps_per_epoch:int):
             for dl in learn.dls.loaders: pause_loader(dl, c)
             with c: learn.fit(n)
             cs.append(c)
-    finally: FAST.update(saved)
+    finally:
+        if saved is None: os.environ.pop('FXA_FASTAI_OWN', None)
+        else: os.environ['FXA_FASTAI_OWN'] = saved
     d = lambda f: (f(cs[1])-f(cs[0]))/steps_per_epoch
     return d(lambda c: c.total),d(lambda c: c.by_kind[COPY]),cs[1]
 
-KINDS = ['fastai alone', "fastai's GA", 'GA', 'GA + RecordOnDevice', 'schedule', 'schedule + RecordOnDevice', 'MicroBatching',
-         'MicroBatching + RecordOnDevice']
+KINDS = [
+    'fastai alone',
+    "fastai's GA",
+    'GA',
+    'GA + RecordOnDevice',
+    'schedule',
+    'schedule + RecordOnDevice',
+    'MicroBatching',
+    'MicroBatching + RecordOnDevice',
+]
 
 def main():
     torch.manual_seed(0)
@@ -230,9 +254,13 @@ def main():
         (b,bc,_),(a,ac,_) = per_step(_learner(kind, False), steps),per_step(_learner(kind, True), steps)
         rows.append([kind, f'{b:.2f}', f'{bc:.2f}', f'{a:.2f}', f'{ac:.2f}'])
     dev = 'a GPU' if torch.cuda.is_available() else 'the CPU (the host standing for the device)'
-    print(f"Host syncs per optimizer step (4 micro-batches of 16 a step; fastai alone: a step per micro-batch), counted on {dev};")
-    print("before: fastai's loader copies each batch with non_blocking=False; after: pinned, non_blocking (this library's fits take "
-          "their training loader's copies over: `patches`; fastai's own rows: the same by hand)")
+    print(
+        f"Host syncs per optimizer step (4 micro-batches of 16 a step; fastai alone: a step per micro-batch), counted on {dev};"
+    )
+    print(
+        "before: fastai's loader copies each batch with non_blocking=False; after: pinned, non_blocking (this library's fits take "
+        "their training loader's copies over: `patches`; fastai's own rows: the same by hand)"
+    )
     w = max(len(r[0]) for r in rows)
     print(f"{'':{w}}  {'before':>7} {'copies':>7}  {'after':>7} {'copies':>7}")
     for r in rows: print(f"{r[0]:{w}}  {r[1]:>7} {r[2]:>7}  {r[3]:>7} {r[4]:>7}")

@@ -14,9 +14,13 @@ from fastxtend_accum.test_utils import fit_digits, plot_runs, runs_table
 def main(out:Path, epochs:int, accum_bs:int, micro_bs:int):
     out.mkdir(parents=True, exist_ok=True)
     k = accum_bs//micro_bs
-    timed = {f'large batch ({accum_bs})': fit_digits(accum_bs, epochs=epochs),
-             f'fastxtend_accum ({k}x{micro_bs})': fit_digits(micro_bs, GradientAccumulation(accum_bs), epochs=epochs),
-             f"fastai's GradientAccumulation ({k}x{micro_bs})": fit_digits(micro_bs, FastaiGradientAccumulation(accum_bs), epochs=epochs)}
+    timed = {
+        f'large batch ({accum_bs})': fit_digits(accum_bs, epochs=epochs),
+        f'fastxtend_accum ({k}x{micro_bs})': fit_digits(micro_bs, GradientAccumulation(accum_bs), epochs=epochs),
+        f"fastai's GradientAccumulation ({k}x{micro_bs})": fit_digits(
+            micro_bs, FastaiGradientAccumulation(accum_bs), epochs=epochs
+        ),
+    }
     runs = {name: learn for name,(learn,_) in timed.items()}
     print(f"digits: 1,500 training / 297 validation samples, {epochs} epochs of fit_one_cycle, Adam, float64\n")
     for row,(_,secs) in zip(runs_table(runs).split('\n'), [(None,'time (s)')] + list(timed.values())):

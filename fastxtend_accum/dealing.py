@@ -4,14 +4,15 @@
 
 # %% ../nbs/dealing.ipynb #5151741e
 from __future__ import annotations
-import inspect, warnings
+import inspect
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler
 from fastai.basics import *
 from .distributed import split_loader
 from .window import raised_everywhere, ProcessesDisagree
 try: from fastai.distributed import DistributedDL
-except ImportError: DistributedDL = None # fastai.distributed needs accelerate: without it there is no `distrib_ctx` either
+# fastai.distributed needs accelerate: without it there is no `distrib_ctx` either
+except ImportError: DistributedDL = None
 from .messages import warn, linked
 
 # %% auto #0
@@ -98,7 +99,8 @@ class WindowDealtDL(DistributedDL if DistributedDL is not None else object):
 
     def get_idxs(self):
         "This process's samples of the epoch: rank 0's order, dealt window by window"
-        return self.dealer.deal(self._broadcast(list(self.dl.get_idxs()), 0)) # rank 0's shuffle, as fastai's `DistributedDL`
+        # rank 0's shuffle, as fastai's `DistributedDL`
+        return self.dealer.deal(self._broadcast(list(self.dl.get_idxs()), 0))
 
     def to_detach(self, b, cpu=True, gather=True):
         "fastai's `to_detach`: no padding to take off"

@@ -28,7 +28,8 @@ def split_loader(dl, # A training loader
 def samples_per_process(dl, # A training loader
                        )->int|None:
     "Samples a fastai loader yields per epoch in this process: for fastai's `DistributedDL`, this process's share"
-    # `DistributedDL` wraps the whole loader, pads its sample order to a multiple of the world size and hands each process
+    # `DistributedDL` wraps the whole loader, pads its sample order to a multiple of the world size and hands each
+    # process
     # an equal slice; it learns its own `n` only once it iterates (and then holds the global one)
     inner = split_loader(dl)
     return getattr(dl, 'n', None) if inner is None else -(-inner.n//dl.world_size)
@@ -36,8 +37,10 @@ def samples_per_process(dl, # A training loader
 # %% ../nbs/distributed.ipynb #a7c1f0e2
 def default_world_size()->int:
     "Processes in torch.distributed's default process group (1 without one): the world size a fit trains over, known at `before_fit`"
-    # `distrib_ctx` and the launchers initialize the group before the fit; the engine (DDP, FSDP) wraps the model later, in
-    # fastai's `DistributedTrainer.before_fit`, and its process group is this one: `GradientAccumulation` checks they agree
+    # `distrib_ctx` and the launchers initialize the group before the fit; the engine (DDP, FSDP) wraps the model later,
+    # in
+    # fastai's `DistributedTrainer.before_fit`, and its process group is this one: `GradientAccumulation` checks they
+    # agree
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 # %% ../nbs/distributed.ipynb #1b3d0e71
@@ -56,7 +59,8 @@ class WindowSync:
     (`all_reduce`); the window's arithmetic is in `window`. Collectives per window: none."""
     world_size,rank,sharded,device = 1,0,False,None
     lockstep = False # whether every micro-batch communicates: each process must run as many forwards and backwards
-    communicating = False # whether the running micro-batch communicates (its backward all-reduces): `failfast.Watch` reads it
+    # whether the running micro-batch communicates (its backward all-reduces): `failfast.Watch` reads it
+    communicating = False
     def __init__(self, model:nn.Module|None=None, # The model as the Learner holds it (wrapped, if it is)
                  grad_sync:str='auto', # 'window', 'micro_batch', or 'auto': the engine's default
                 ): self.model,self.grad_sync = model,check_grad_sync(grad_sync)
@@ -208,7 +212,8 @@ class FSDP2Sync(ProcessGroupSync):
             raise ValueError(linked(f"FSDP2 over a mesh of {self.mesh.size()} of the {dist.get_world_size()} processes (tensor or "
                              "pipeline parallelism beside it) is not supported: shard over every process", 'fsdp'))
         self.hsdp = self.mesh.ndim == 2
-        super().__init__(model, grad_sync, None) # the mesh holds every process: counts are summed over the default group
+        # the mesh holds every process: counts are summed over the default group
+        super().__init__(model, grad_sync, None)
 
     def _policy(self, stack, closes:bool):
         "Hold the micro-batch's reduce-scatter ('window') or HSDP's all-reduce ('auto') unless it `closes` the window"
@@ -216,7 +221,8 @@ class FSDP2Sync(ProcessGroupSync):
         if self.grad_sync == 'window': self.model.set_requires_gradient_sync(False)
         elif self.hsdp: self.model.set_requires_all_reduce(False)
         else: return
-        stack.callback(self.model.set_requires_gradient_sync, True) # also sets `requires_all_reduce`: as outside windows
+        # also sets `requires_all_reduce`: as outside windows
+        stack.callback(self.model.set_requires_gradient_sync, True)
 
 # %% ../nbs/distributed.ipynb #63183b80
 def sharding_engine(model:nn.Module, # A model, as the Learner holds it

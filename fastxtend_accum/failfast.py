@@ -4,18 +4,23 @@
 
 # %% ../nbs/failfast.ipynb #d4cd7540
 from __future__ import annotations
-import contextlib, os, sys, threading, time, types, warnings
+import contextlib, os, sys, threading, time
+from datetime import timedelta
 import torch.distributed as dist
+from .compat import default_store
 from .messages import linked
 
 # %% auto #0
-__all__ = ['FAILED_KEY', 'GRACE_S', 'STOPPED_KEY', 'WAITING_KEY', 'FITTING_KEY', 'WAIT_S', 'POLL_S', 'LOST_KEY', 'ALIVE_KEY',
-           'NEWS_KEY', 'SILENT_KEY', 'REPORT_S', 'PeerProcessFailed', 'describe', 'failed_key', 'failed_processes',
-           'Watch', 'watch', 'unwatch', 'keep_group', 'release_group', 'stop_peers']
+__all__ = ['FAILED_KEY', 'GRACE_S', 'STOPPED_KEY', 'WAITING_KEY', 'FITTING_KEY', 'WAIT_S', 'NEWS_WAIT', 'POLL_S', 'LOST_KEY',
+           'ALIVE_KEY', 'NEWS_KEY', 'FAILURE_KEY', 'SILENT_KEY', 'REPORT_S', 'PeerProcessFailed', 'describe',
+           'failed_key', 'failed_processes', 'Watch', 'watch', 'unwatch', 'keep_group', 'stop_peers']
 
 # %% ../nbs/failfast.ipynb #148db410
-FAILED_KEY = 'fastxtend_accum/failed/' # + '<rank>/<n>': "ExcType: message" of the n-th fit that raised on process <rank>
-GRACE_S = 10. # seconds a failing process waits for a process outside its fit to fail too (an error all of them raise) before it stops them
+# + '<rank>/<n>': "ExcType: message" of the n-th fit that raised on process <rank>
+FAILED_KEY = 'fastxtend_accum/failed/'
+# seconds a failing process waits for a process outside its fit to fail too (an error all of them raise) before it stops
+# them
+GRACE_S = 10.
 _kept,_n_failed = [],0 # destroyed groups' stores (rank 0 serves it outside torchrun); fits that raised in this group
 
 class PeerProcessFailed(RuntimeError):
@@ -52,11 +57,17 @@ def _collective_error(exc:BaseException)->bool:
     "Whether `exc` is what a collective raises when a peer left (gloo: a `RuntimeError`; `DistError` subclasses it)"
     return isinstance(exc, RuntimeError) and not isinstance(exc, PeerProcessFailed)
 
-STOPPED_KEY = 'fastxtend_accum/stopped/' # + '<rank>/<n>': a process that stopped its fit before its next collective: a peer failed
+# + '<rank>/<n>': a process that stopped its fit before its next collective: a peer failed
+STOPPED_KEY = 'fastxtend_accum/stopped/'
 WAITING_KEY = 'fastxtend_accum/waiting/' # + '<rank>/<n>': a process waiting in a collective when a peer's fit failed
-FITTING_KEY = 'fastxtend_accum/fitting/' # + '<rank>/<n>': a process in a fit that `Watch` watches (it stops at its next batch)
-WAIT_S = 60. # seconds a failing process waits at most for a peer that is in its fit and neither fails, stops nor waits in a collective
-POLL_S = .2 # how often a `Watch` looks for a peer's failure
+# + '<rank>/<n>': a process in a fit that `Watch` watches (it stops at its next batch)
+FITTING_KEY = 'fastxtend_accum/fitting/'
+# seconds a failing process waits at most for a peer that is in its fit and neither fails, stops nor waits in a
+# collective
+WAIT_S = 60.
+# the wait for news of a failure: longer than any fit (torch's store client logs a timeout)
+NEWS_WAIT = timedelta(days=30)
+POLL_S = .2 # how often a `Watch` that knows of a failure looks at its main thread (no store request)
 
 def _resolved(store, world:int, rank:int, n:int)->dict[int,str]:
     "Each other process's `n`-th state since a fit failed ('failed', 'stopped' or 'waiting' in a collective), or 'fitting' / None (not in a fit)"
@@ -69,7 +80,8 @@ def _resolved(store, world:int, rank:int, n:int)->dict[int,str]:
 
 def _peers_settle(store, world:int, rank:int, n:int)->bool:
     "Whether the group can stay: every other process's fit also failed or stopped before a collective; False as soon as one waits in a collective"
-    # a peer in its fit stops at its next batch (`Watch`), fails too, or enters a collective: waited for up to `WAIT_S`; one outside
+    # a peer in its fit stops at its next batch (`Watch`), fails too, or enters a collective: waited for up to `WAIT_S`;
+    # one outside
     # a fit (it finished, or never started one) only fails within `GRACE_S`, or is taken to wait in a collective
     start = time.monotonic()
     while True:
@@ -84,31 +96,74 @@ def _in_collective(frame, communicating:bool)->bool:
     "Whether a thread whose innermost Python frame is `frame` waits in a collective (or its backward all-reduces, `communicating`)"
     if frame is None: return False
     f = frame.f_code.co_filename.replace(os.sep, '/')
-    if '/torch/distributed/' in f or f.endswith('/torch/nn/parallel/distributed.py'): return True # c10d, FSDP, DDP's forward
-    return communicating and '/torch/autograd/' in f # DDP's reducer all-reduces inside the autograd engine: no Python frame of its own
+    # c10d, FSDP, DDP's forward
+    if '/torch/distributed/' in f or f.endswith('/torch/nn/parallel/distributed.py'): return True
+    # DDP's reducer all-reduces inside the autograd engine: no Python frame of its own
+    return communicating and '/torch/autograd/' in f
+
+class _Waiter:
+    "One blocking wait per process for the news of failure `n`, on a connection of its own (`Store.clone`): one request"
+    def __init__(self, store, n:int):
+        self.store,self.n,self.heard,self.requests = store,n,threading.Event(),0
+        self.conn = store.clone() # its wait holds up none of the fit's store calls
+        threading.Thread(target=self._run, name='fastxtend_accum-failfast-news', daemon=True).start()
+    def _run(self):
+        with contextlib.suppress(Exception): # the store is gone: no news comes
+            self.requests += 1
+            self.conn.wait([f'{NEWS_KEY}{self.n}'], NEWS_WAIT) # the store answers when the key is set
+            self.heard.set()
+
+_waiters = {} # n: this process's `_Waiter` for the news of failure n, shared by its fits' watches
+
+def _waiter(store, n:int)->_Waiter:
+    w = _waiters.get(n)
+    if w is None or w.store is not store: w = _waiters[n] = _Waiter(store, n)
+    return w
 
 class Watch:
     "While a multi-process fit runs: notice a peer's failure; the fit stops at its next batch (`check`), or says it waits in a collective"
     def __init__(self, communicating:callable, # Whether this process's micro-batch communicates now
+                 store=None, # The group's store (None: the default group's)
+                 world:int|None=None, # Processes in the group (None: the default group's)
+                 rank:int|None=None, # This process's rank (None: in the default group)
                 ):
-        self.world,self.rank,self.n,self.communicating = dist.get_world_size(),dist.get_rank(),_n_failed,communicating
-        self.store = dist.distributed_c10d._get_default_store()
-        self.failed,self.main,self.done = None,threading.get_ident(),threading.Event()
-        with contextlib.suppress(Exception): self.store.set(f'{FITTING_KEY}{self.rank}/{self.n}', '1')
+        self.world = dist.get_world_size() if world is None else world
+        self.rank = dist.get_rank() if rank is None else rank
+        self.n,self.communicating,self.store = _n_failed,communicating,default_store() if store is None else store
+        self.failed,self.main,self.done,self.requests = None,threading.get_ident(),threading.Event(),0
+        self.store.set(f'{FITTING_KEY}{self.rank}/{self.n}', '1')
+        try: self.waiter = _waiter(self.store, self.n)
+        except Exception: self.waiter = None # a store without `clone`: the watch checks every POLL_S instead
         threading.Thread(target=self._run, name='fastxtend_accum-failfast', daemon=True).start()
 
+    def _news(self)->bool:
+        "Whether news of a failure came, within `POLL_S`"
+        if self.waiter is not None: return self.waiter.heard.wait(POLL_S) # no store request: the waiter's
+        self.requests += 1
+        return not self.done.wait(POLL_S) and self.store.check([f'{NEWS_KEY}{self.n}'])
+
     def _run(self):
-        news = f'{NEWS_KEY}{self.n}'
-        while not self.done.wait(POLL_S):
-            if self.failed is None:
-                try:
-                    if not self.store.check([news]): continue
-                    self.store.set(f'{ALIVE_KEY}{self.rank}/{self.n}', '1') # for a process whose collective failed: not the one killed
-                    self.failed = failed_processes(self.store, self.world, self.rank, self.n) or None
-                except Exception: return
-                if self.failed is None: continue # a lost collective: this process's own fails next
-            if self.failed is not None and _in_collective(sys._current_frames().get(self.main), self.communicating()):
+        try:
+            while not self._news(): # a failure, or a lost collective
+                if self.done.is_set(): return
+            if self.done.is_set(): return
+            self.requests += 1
+            # for a process whose collective failed: not the one killed
+            self.store.set(f'{ALIVE_KEY}{self.rank}/{self.n}', '1')
+            while True: # a lost collective: this process's own fails, or a report comes
+                self.requests += 1
+                if self.store.check([f'{FAILURE_KEY}{self.n}']): break
+                if self.done.wait(POLL_S): return
+            self.requests += 1
+            r,msg = self.store.get(f'{FAILURE_KEY}{self.n}').decode().split('\t', 1)
+            self.failed = {int(r): msg}
+        except Exception: return # the store is gone
+        while not self.done.wait(POLL_S): # the fit stops at its next batch (`check`), unless it waits in a collective
+            if _in_collective(sys._current_frames().get(self.main), self.communicating()):
                 with contextlib.suppress(Exception): self.store.set(f'{WAITING_KEY}{self.rank}/{self.n}', '1')
+                with contextlib.suppress(Exception):
+                    # NCCL: torch's own way out of a collective
+                    if dist.get_backend() == 'nccl': dist.group.WORLD.abort()
                 return
 
     def check(self):
@@ -133,8 +188,9 @@ def watch(communicating:callable, # Whether this process's micro-batch communica
     "Start watching the peers for this fit (once per fit; `unwatch` ends it)"
     global _watch
     if _watch is None or _watch.done.is_set():
-        try: _watch = Watch(communicating)
-        except Exception: _watch = None # no store to watch (a group made without one): peers are stopped as before, by the failing process
+        # no store to watch (a group made without one): peers are stopped as before, by the failing process
+        try: _watch = Watch(communicating) if default_store() is not None else None
+        except Exception: _watch = None
     return _watch
 
 def unwatch():
@@ -148,12 +204,18 @@ def _why(first:dict, world:int)->str:
 
 LOST_KEY = 'fastxtend_accum/lost/' # + '<rank>/<n>': the collective error of a process that found no peer's report
 ALIVE_KEY = 'fastxtend_accum/alive/' # + '<rank>/<n>': a process in its fit (its `Watch`) that saw the news of a failure
-NEWS_KEY = 'fastxtend_accum/news/' # + '<n>': set with every failure or lost collective, the one key a `Watch` polls
-SILENT_KEY = 'fastxtend_accum/silent/' # + '<n>': the processes found to have reported nothing, by the first process that looked
+NEWS_KEY = 'fastxtend_accum/news/' # + '<n>': set with every failure or lost collective: every `Watch` waits for it
+# + '<n>': '<rank>\t<ExcType: message>' of a failure: a `Watch` reads this one key
+FAILURE_KEY = 'fastxtend_accum/failure/'
+# + '<n>': the processes found to have reported nothing, by the first process that looked
+SILENT_KEY = 'fastxtend_accum/silent/'
 REPORT_S = 3. # seconds a process whose collective failed waits for the report of the process that failed first
 
-def _news(store, n:int):
-    with contextlib.suppress(Exception): store.set(f'{NEWS_KEY}{n}', '1')
+def _news(store, n:int, failure:str|None=None):
+    "Wake every `Watch`: a lost collective, or a `failure` ('<rank>\t<ExcType: message>')"
+    with contextlib.suppress(Exception):
+        if failure is not None: store.set(f'{FAILURE_KEY}{n}', failure)
+        store.set(f'{NEWS_KEY}{n}', '1')
 
 def _reports(store, world:int, rank:int, n:int, seconds:float)->tuple[dict,set,list]:
     "Within `seconds`: the first failures reported by other processes (by rank), the ranks heard from since, and the silent ones found"
@@ -179,45 +241,7 @@ def keep_group():
     try: yield
     finally: _kept_groups -= 1
 
-def release_group(groups:list, # The process groups that destroy_process_group has just destroyed
-                  model=None, # The fit's model, whose DDP wrappers still hold them
-                 ):
-    "Drop what keeps `groups`' gloo connections open in this process, so that its peers' collectives raise now, not when it exits"
-    dead = {id(g) for g in groups}
-    # a DDP wrapper's reducer (C++) holds its group; the wrapper lives on in `learn.model`, Accelerate's lists, a traceback's frames
-    from torch.nn.parallel import DistributedDataParallel
-    for m in ([] if model is None else model.modules()):
-        if isinstance(m, DistributedDataParallel):
-            for a in ('reducer', 'logger', 'process_group'):
-                if a in vars(m): setattr(m, a, None)
-    # torch.distributed's own objects: FSDP's mesh infos and FSDP1's wrappers hold groups in attributes, a DeviceMesh in its
-    # `_pg_registry`; and `torch.distributed.nn.functional`, first imported after the group was made (DDP's constructor imports
-    # torch._dynamo, which imports it), took `group.WORLD` as the default of ten functions (as imported before it: None)
-    import gc
-    seen = {} # by type: whether its objects may hold a group (looked up once per type: some 400,000 objects in a fastai process)
-    with warnings.catch_warnings(): # deprecated objects of torch.distributed warn when looked at
-        warnings.simplefilter('ignore')
-        for o in gc.get_objects():
-            t = type(o)
-            held = seen.get(t)
-            if held is None: held = seen[t] = t is types.FunctionType or str(t.__dict__.get('__module__', '')).startswith('torch.distributed')
-            if held: _let_go(o, dead)
-
-def _let_go(o, dead:set):
-    "`o` without the destroyed groups (ids in `dead`): a torch.distributed function's defaults, object's attributes, registry's entries"
-    if type(o) is types.FunctionType:
-        if o.__defaults__ and str(o.__module__).startswith('torch.distributed') and any(id(d) in dead for d in o.__defaults__):
-            o.__defaults__ = tuple(None if id(d) in dead else d for d in o.__defaults__)
-        return
-    try: attrs = vars(o)
-    except TypeError: return
-    for k,v in list(attrs.items()):
-        if id(v) in dead: attrs[k] = None
-        elif type(v) is dict:
-            for key in [key for key,x in v.items() if id(x) in dead]: del v[key]
-
 def stop_peers(exc:BaseException, # The error the fit raised on this process
-               model=None, # The fit's model (its DDP wrappers let the group go)
               )->PeerProcessFailed|None:
     "In a process group of several processes: tell the others why this fit failed, and stop their collectives; the error to raise instead, if a peer failed first"
     global _n_failed
@@ -227,27 +251,29 @@ def stop_peers(exc:BaseException, # The error the fit raised on this process
     if _kept_groups: return None # the script handles it on every process (`keep_group`)
     world,rank,n = dist.get_world_size(),dist.get_rank(),_n_failed
     _n_failed += 1
-    if getattr(exc, 'stopped', False): return None # stopped before a collective (`Watch.check`): the failing process keeps the group
-    try: store = dist.distributed_c10d._get_default_store()
-    except Exception: store = None
+    # stopped before a collective (`Watch.check`): the failing process keeps the group
+    if getattr(exc, 'stopped', False): return None
+    store = default_store()
     first,silent = {},[]
     if store is not None and _collective_error(exc): # a peer left: the process that failed first says why, if it can
         first,heard,silent = _reports(store, world, rank, n, REPORT_S)
-        if not first and not silent: # none did (killed, or crashed outside Python): the processes not heard from are the suspects
+        # none did (killed, or crashed outside Python): the processes not heard from are the suspects
+        if not first and not silent:
             with contextlib.suppress(Exception): store.set(f'{LOST_KEY}{rank}/{n}', describe(exc))
             _news(store, n) # the others' `Watch` say they are alive, even while they wait in a collective
             first,heard,silent = _reports(store, world, rank, n, REPORT_S)
             if not first and not silent:
                 silent = [r for r in range(world) if r != rank and r not in heard]
-                with contextlib.suppress(Exception): store.set(f'{SILENT_KEY}{n}', ','.join(map(str, silent))) # a later peer names the same
+                # a later peer names the same
+                with contextlib.suppress(Exception): store.set(f'{SILENT_KEY}{n}', ','.join(map(str, silent)))
     if not first and not silent and store is not None:
         with contextlib.suppress(Exception): store.set(failed_key(rank, n), describe(exc))
-        _news(store, n)
-        if _peers_settle(store, world, rank, n): return None # no process waits in a collective: each raises its error, the group stays
+        _news(store, n, f'{rank}\t{describe(exc)}')
+        # no process waits in a collective: each raises its error, the group stays
+        if _peers_settle(store, world, rank, n): return None
     _kept.append(store)
-    groups = list(dist.distributed_c10d._world.pg_map) # the default group and those made since (a DeviceMesh's, FSDP's)
-    with contextlib.suppress(Exception): dist.destroy_process_group() # gloo closes its connections: peers' collectives raise
-    with contextlib.suppress(Exception): release_group(groups, model) # never in the way of the error that stopped the fit
+    # every group shut down (NCCL: its communicators aborted); gloo closes a group's connections once nothing holds it
+    with contextlib.suppress(Exception): dist.destroy_process_group()
     if first: why = _why(first, world)
     elif silent: why = (f"No process reported the error that stopped the run: process{'es' if len(silent) > 1 else ''} "
                         f"{', '.join(map(str, silent))} of {world} reported nothing within {2*REPORT_S:.0f} s (killed, or crashed outside "

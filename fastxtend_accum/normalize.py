@@ -4,7 +4,7 @@
 
 # %% ../nbs/normalize.ipynb #dd732dd5
 from __future__ import annotations
-import functools, math, numbers, warnings
+import functools, math, numbers
 from fastai.basics import *
 from .messages import warn, linked
 
@@ -90,7 +90,8 @@ def _bad_count(normalize_by, value): return ValueError(linked(f"`normalize_by`={
 
 def check_count(normalize_by, c)->Tensor:
     "The count `c` that `normalize_by` returned for a micro-batch, as a float64 tensor (a tensor's value is checked at the step)"
-    if isinstance(c, Tensor) and c.numel() == 1 and c.dtype != torch.bool and not c.is_complex(): # each op costs microseconds: only those needed
+    # each op costs microseconds: only those needed
+    if isinstance(c, Tensor) and c.numel() == 1 and c.dtype != torch.bool and not c.is_complex():
         if c.ndim: c = c.reshape(())
         return c if c.dtype == torch.float64 else c.to(torch.float64)
     if not isinstance(c, numbers.Real) or isinstance(c, (bool, np.bool_)) or not math.isfinite(c) or c < 0:
@@ -121,7 +122,8 @@ def loss_denominator(loss_func, # A Learner's loss
                     )->tuple|None:
     "`(weight, ignore_index)` of a cross-entropy or NLL loss that averages over its targets; `None` for any other loss"
     f,kw = _loss_module(loss_func),{}
-    if type(f) in _CE_MODULES: return (f.weight, f.ignore_index) if f.reduction == 'mean' else None # not subclasses: their forward may differ
+    # not subclasses: their forward may differ
+    if type(f) in _CE_MODULES: return (f.weight, f.ignore_index) if f.reduction == 'mean' else None
     if isinstance(f, functools.partial) and not f.args: f,kw = f.func,f.keywords
     if any(f is o for o in _CE_FUNCTIONS) and set(kw) <= _CE_KEYWORDS and kw.get('reduction', 'mean') == 'mean':
         return kw.get('weight'),kw.get('ignore_index', -100)
@@ -156,9 +158,11 @@ _NLL_BACKWARD,_ALIAS_BACKWARD = _nll_backward()
 def loss_items(loss:Tensor, # A micro-batch's loss, before any term is added to it
               )->Tensor|None:
     "What a mean cross-entropy or NLL `loss` divided by (its targets, or their class weights), read from its graph: `None` if it is not one"
-    # read past a subclass's `__torch_function__`: fastai's `TensorBase` loss spends 8 µs on every attribute read (0.6 µs here)
+    # read past a subclass's `__torch_function__`: fastai's `TensorBase` loss spends 8 µs on every attribute read (0.6
+    # µs here)
     with torch._C.DisableTorchFunctionSubclass(): gf = getattr(loss, 'grad_fn', None)
-    if type(gf) is _ALIAS_BACKWARD: gf = gf.next_functions[0][0] # fastai's `BaseLoss` returns a `TensorBase` alias of it
+    # fastai's `BaseLoss` returns a `TensorBase` alias of it
+    if type(gf) is _ALIAS_BACKWARD: gf = gf.next_functions[0][0]
     if type(gf) not in _NLL_BACKWARD or gf._saved_reduction != 1: return None # 1: PyTorch's Reduction::Mean
     tw = gf._saved_total_weight
     return tw if tw.dtype in (torch.float32, torch.float64) else None # a 16-bit total weight rounds counts past 2,048
@@ -187,7 +191,8 @@ class ClassTargetCount(SampleCount):
                 ): store_attr()
     def __repr__(self): return f'ClassTargetCount(ignore_index={self.ignore_index}, per_sample={self.per_sample})'
 
-_SCAN_MAX = 2**20 # samples of a list dataset read on the host: past it, 'auto' counts a cross-entropy's targets on the device
+# samples of a list dataset read on the host: past it, 'auto' counts a cross-entropy's targets on the device
+_SCAN_MAX = 2**20
 _BATCH_METHODS,_BATCH_TFMS = ('create_batches', 'create_item', 'create_batch', 'retain', 'do_batch'),('after_item', 'before_batch', 'after_batch')
 
 def _yields_as_held(dl)->bool:
@@ -205,7 +210,8 @@ def _own_batch_code(dl, tfm_ok:Callable)->bool:
     for k in (*_BATCH_METHODS, *_BATCH_TFMS):
         v = vars(dl).get(k)
         d = getattr(v, '__dict__', None)
-        if d is not None and '_fxa_own' in d: v = d['_fxa_own'] # an accumulating fit's takeover, for the epoch (`patches`): the loader's own
+        # an accumulating fit's takeover, for the epoch (`patches`): the loader's own
+        if d is not None and '_fxa_own' in d: v = d['_fxa_own']
         if v is not None: own[k] = v
     if any(m in own for m in _BATCH_METHODS): return True
     return not all(m not in own or (isinstance(own[m], Pipeline) and all(tfm_ok(t) for t in own[m].fs)) for m in _BATCH_TFMS)
@@ -268,25 +274,31 @@ class AutoNormalize:
                ):
         "The counter for `loss_func`, read at an epoch's first micro-batch `(xb, yb)`, whose targets tell what to say"
         self.pending = False
-        # the loss read at an earlier epoch, unchanged: its counter, made and checked once (its class weights, the targets
+        # the loss read at an earlier epoch, unchanged: its counter, made and checked once (its class weights, the
+        # targets
         # read for what to say: host syncs), none at later epochs and fits
         d = loss_denominator(loss_func)
         key = loss_func,loss_reduction(loss_func),None if d is None else (id(d[0]), d[1])
         if not (new := self.last is None or self.last[0] is not key[0] or self.last[1:3] != key[1:]): c = self.last[3]
         else: c = auto_counter(loss_func); self.last = *key,c
-        # a cross-entropy whose training set holds no ignore_index: every target counts, known ahead (`observe` checks it)
+        # a cross-entropy whose training set holds no ignore_index: every target counts, known ahead (`observe` checks
+        # it)
         self.classes = self._classes(dl, len(xb), c.ignore_index) if type(c) is TokenCount and dl is not None else None
-        if self.classes is not None and final and not self.looked: # a `before_batch` callback may set targets to ignore_index
+        # a `before_batch` callback may set targets to ignore_index
+        if self.classes is not None and final and not self.looked:
             self.looked = True
             if _ignored_targets(yb, c.ignore_index): self.held_ignored = True
         if self.held_ignored: self.classes = None # this fit's targets held ignore_index: counted, as below
         if self.classes is not None:
             if self.classes.per_sample != 1 and repr(self.classes) not in self.said: self._say(self.classes, loss_func)
             return self.classes
-        if type(c) is SampleCount: self._watch(loss_func, yb) # a loss it cannot read: its targets, each epoch until it warns
+        # a loss it cannot read: its targets, each epoch until it warns
+        if type(c) is SampleCount: self._watch(loss_func, yb)
         elif new and type(c) is TokenCount:
-            # the targets per sample of this micro-batch (one sync per loss, not per fit): the windows' rho is then a number,
-            # known on the host (`window.Windows.ref`); any rho is exact, this one keeps the weights near samples/accum_bs
+            # the targets per sample of this micro-batch (one sync per loss, not per fit): the windows' rho is then a
+            # number,
+            # known on the host (`window.WindowState.ref`); any rho is exact, this one keeps the weights near
+            # samples/accum_bs
             n,bs = float(c(xb, yb)),find_bs(yb)
             self.rate = n/bs if bs else None
             if repr(c) not in self.said and n != bs: self._say(c, loss_func)
@@ -324,7 +336,8 @@ class AutoNormalize:
         if not self.looked:
             self.looked = True
             if c.item() != n:
-                self.held_ignored,self.classes,self.rate = True,None,c.item()/samples # rho's rate, as `counter` reads it
+                # rho's rate, as `counter` reads it
+                self.held_ignored,self.classes,self.rate = True,None,c.item()/samples
                 return False
         self.seen.append(c)
         self.expected += n

@@ -4,7 +4,7 @@
 
 # %% ../nbs/patches.ipynb #69b31e6d
 from __future__ import annotations
-import contextlib, copyreg, functools, os, sys, time, types, weakref
+import contextlib, copyreg, functools, operator, os, sys, time, types, weakref
 import fastai, fastai.learner
 from typing import Protocol
 from fastai.basics import *
@@ -19,14 +19,15 @@ from .messages import linked
 from .transfer import to_device_non_blocking
 
 # %% auto #0
-__all__ = ['FASTAI_TESTED', 'TAKEOVERS', 'ADDED', 'FAST', 'FIT_PARTS', 'FIT_HOOKS', 'KEPT', 'takes_over', 'is_fastais',
-           'AccumView', 'accum_callback', 'batch_taker', 'training_owner', 'accum_logger', 'fit_class', 'own_class',
+__all__ = ['FASTAI_TESTED', 'TAKEOVERS', 'ADDED', 'FIT_PARTS', 'FIT_HOOKS', 'KEPT', 'takes_over', 'is_fastais', 'AccumView',
+           'accum_callback', 'batch_taker', 'training_owner', 'accum_logger', 'fastai_own', 'fit_class', 'own_class',
            'kept_class', 'take_over', 'give_back', 'FitTakeover', 'adapts', 'fastai_class', 'callback_methods']
 
 # %% ../nbs/patches.ipynb #5925d5a1
 FASTAI_TESTED = ('2.8.7', '2.8.12') # the fastai versions the takeovers were tested on
 TAKEOVERS = {} # 'Class.method': dict(why=..., how=...), for every fastai method this library takes over during a fit
-ADDED = {} # 'Class.method': what it does, for the methods this library adds to fastai's classes (as fastai's own `@patch` does)
+# 'Class.method': what it does, for the methods this library adds to fastai's classes (as fastai's own `@patch` does)
+ADDED = {}
 _FASTAI_DIR = os.path.dirname(fastai.__file__) + os.sep
 
 def takes_over(name:str, # 'Class.method', as fastai names it
@@ -89,11 +90,13 @@ def accum_logger(learn:Learner, # The Learner whose callbacks to look through
 
 # %% ../nbs/patches.ipynb #393997f2
 class _Fit:
-    "What one Learner's fit has taken over: its owners, and the instance attributes set on its callbacks and loaders"
-    def __init__(self, cls): self.cls,self.owners,self.installed = cls,{},[]
+    "What one Learner's fit has taken over: its owners, the instance attributes set on its callbacks and loaders, its error"
+    def __init__(self, cls): self.cls,self.owners,self.installed,self.error = cls,{},[],None
     def set(self, o, name:str, value):
         "Give `o` the instance attribute `name` for the fit (a callback's or a loader's method): removed when the fit ends"
         d = vars(o)
+        cur = d.get(name)
+        if type(cur) is _BeforeFit and cur.fit is self: cur.inner = value; return True # called inside the fit's watch
         if name in d: return False # the instance has its own: left as it is
         d[name] = value
         self.installed.append((o, name, value))
@@ -102,6 +105,30 @@ class _Fit:
         for o,name,value in reversed(self.installed):
             if vars(o).get(name) is value: del vars(o)[name]
         self.installed = []
+    def failed(self, e:BaseException):
+        "Note `e`, an error leaving the fit's events or epochs: fastai's `fit` then ends in `remove_cbs`, with no `after_fit`"
+        if self.error is None and not isinstance(e, _CANCELS): self.error = e # fastai's cancels end in `after_fit`
+    def watch_before_fit(self, learn, owner):
+        "The `before_fit` of the callbacks fastai calls after `owner`'s, watched for the fit's error (see `_BeforeFit`)"
+        later = False
+        for cb in _sorted(learn.cbs.items): # fastai's order
+            if not later: later = cb is owner; continue
+            d = cb.__dict__
+            if 'before_fit' not in d and hasattr(type(cb), 'before_fit'):
+                w = d['before_fit'] = _BeforeFit(self, cb.before_fit)
+                self.installed.append((cb, 'before_fit', w))
+
+class _BeforeFit:
+    "A callback's `before_fit`, for the fit: an error it raises ends the fit before any event the fit class dispatches"
+    def __init__(self, fit:_Fit, own): self.fit,self.own,self.inner = fit,own,None # `inner`: a method set for the fit
+    def __call__(self):
+        try: return (self.inner or self.own)()
+        except BaseException as e: self.fit.failed(e); raise
+
+def _failed(learn, e:BaseException):
+    "Note `e` as the error of `learn`'s fit, if it has one"
+    fit = learn.__dict__.get('_fxa_fit')
+    if fit is not None: fit.failed(e)
 
 def _fit_of(learn)->_Fit|None: return vars(learn).get('_fxa_fit')
 
@@ -113,24 +140,33 @@ def _batch_owner(learn)->AccumView|None:
     d = o.__dict__ # `remove_cb` mid-fit ends its fit (`end_fit`): no flag, fastai's own
     return o if d.get('accumulating') or d.get('taking_batches') else None
 
-FAST = dict(dispatch=True, items=True, copies=True) # the fit class's own event dispatch, item path and loader copies (tests turn them off)
+def fastai_own()->frozenset:
+    "The parts of the fit class that run fastai's own code instead, for comparisons: `FXA_FASTAI_OWN`, e.g. 'dispatch,items'"
+    # 'dispatch': the event dispatch, 'items': the item path, 'copies': the loader's copies (tests and benchmarks)
+    return frozenset(p for p in os.environ.get('FXA_FASTAI_OWN', '').split(',') if p)
+
 FIT_PARTS = [] # classes of Learner methods other modules take over for a fit (`sharded`'s, for a sharded model)
-FIT_HOOKS = [] # functions (learn, fit) other modules run when a fit is taken over (checks, a callback's method for the fit)
+# functions (learn, fit) other modules run when a fit is taken over (checks, a callback's method for the fit)
+FIT_HOOKS = []
 _fit_classes = {} # (the Learner's class, the parts): the class made for its fits
 
-def fit_class(cls:type)->type:
+def fit_class(cls:type, # The Learner's own class
+              own:frozenset=frozenset(), # The parts that run fastai's own code, as fastai_own gives them
+             )->type:
     "The class a Learner of class `cls` has while its fit accumulates: `FitTakeover`'s methods first, then `cls`'s"
     if issubclass(cls, FitTakeover): return cls
-    key = (cls, *FIT_PARTS, *FAST.values())
+    key = (cls, *FIT_PARTS, own)
     fc = _fit_classes.get(key)
     if fc is None:
         ns = dict(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__, _fastai_class=cls,
-                  _fast_dispatch=FAST['dispatch'] and is_fastais(cls.__call__) and is_fastais(cls._call_one),
-                  _fast_items=FAST['items'] and is_fastais(cls.all_batches))
+                  _fast_dispatch='dispatch' not in own and is_fastais(cls.__call__) and is_fastais(cls._call_one),
+                  _fast_items='items' not in own and is_fastais(cls.all_batches), _fast_copies='copies' not in own)
         fc = _fit_classes[key] = type(cls.__name__, (FitTakeover, *FIT_PARTS, cls), ns)
     return fc
 
-KEPT = [] # functions (learn) -> a class of methods the Learner keeps after its fit, or None (`sharded`'s while its model is sharded)
+# functions (learn) -> a class of methods the Learner keeps after its fit, or None (`sharded`'s while its model is
+# sharded)
+KEPT = []
 _kept_classes = {}
 
 def own_class(cls:type)->type:
@@ -170,7 +206,8 @@ def take_over(learn:Learner, # The Learner whose fit starts
             f"without {type(owner).__name__}", 'learner-subclass'))
     if fit is None:
         vars(learn)['_fxa_fit'] = fit = _Fit(cls)
-        learn.__class__ = fit_class(cls)
+        learn.__class__ = fit_class(cls, fastai_own())
+        fit.watch_before_fit(learn, owner)
     if sum(o is owner for o in learn.cbs) > 1: # the fit class's `remove_cbs` leaves it attached as it was
         raise ValueError(linked(f"This {type(owner).__name__} is passed to `fit(cbs=...)` but is already attached to the Learner "
                                 "(`Learner(cbs=...)` or `add_cb`): it would count every micro-batch twice. Pass it once", 'two-accumulations'))
@@ -189,7 +226,8 @@ def give_back(learn:Learner, # A Learner whose fit ended
     try:
         for owner in fit.owners.values():
             if exc is not None or vars(owner).get('accumulating') or vars(owner).get('taking_batches'):
-                with contextlib.suppress(Exception): getattr(owner, 'end_fit', noop)() # never hide the error that stopped the fit
+                # never hide the error that stopped the fit
+                with contextlib.suppress(Exception): getattr(owner, 'end_fit', noop)()
     finally:
         unwatch()
         fit.unset_all()
@@ -203,7 +241,8 @@ _fastai_to_device,_CPU = fastai.learner.to_device,torch.device('cpu')
 def _on_device(learn:Learner, b):
     "`learn._set_device(b)`, fastai's: where each tensor of the batch already is where it would go, the batch as it is (no copy)"
     __tracebackhide__ = True
-    # fastai moves the batch to the model's first parameter's device ('cpu' if `defaults.use_cuda` is False), and `Tensor.to`
+    # fastai moves the batch to the model's first parameter's device ('cpu' if `defaults.use_cuda` is False), and
+    # `Tensor.to`
     # returns a tensor already there as it is: the same tensors, without rebuilding the batch on every micro-batch
     if is_fastais(type(learn)._set_device) and type(b) is tuple and fastai.learner.to_device is _fastai_to_device:
         p = next(learn.model.parameters(), None) # none: fastai's raises
@@ -214,19 +253,25 @@ def _on_device(learn:Learner, b):
             else: return b
     return learn._set_device(b)
 
-def _raised(learn:Learner, e:BaseException):
-    "A fit that raised `e`: everything given back, the other processes stopped and told why (`failfast`); raise"
+def _fit_failed(learn:Learner, e:BaseException):
+    "A fit that raised `e`: everything given back, the other processes stopped and told why (`failfast`); a peer's error raised"
     __tracebackhide__ = True
     give_back(learn, e)
-    peer = stop_peers(e, learn.model)
+    peer = stop_peers(e)
     if isinstance(learn.model, nn.parallel.DistributedDataParallel) and not torch.distributed.is_initialized():
-        learn.model = learn.model.module # the group is gone with its DDP wrapper: the plain model, as fastai's `after_fit` gives it back
+        # the group is gone with its DDP wrapper: the plain model, as fastai's `after_fit` gives it back
+        learn.model = learn.model.module
     if peer is not None: raise peer from e
+
+def _raised(learn:Learner, e:BaseException):
+    "`_fit_failed`, then raise `e`"
+    __tracebackhide__ = True
+    _fit_failed(learn, e)
     raise e
 
 class FitTakeover:
     "The Learner methods an accumulating fit takes over: the class made for the fit puts them before the Learner's own"
-    _fastai_class,_fast_dispatch,_fast_items = None,False,False
+    _fastai_class,_fast_dispatch,_fast_items,_fast_copies = None,False,False,False
 
     @takes_over('Learner.one_batch', "a micro-batch counts where the loader yields it; the engine's policy held for its forward and backward; "
                 "`MicroBatching` takes the training batch over; a batch already on the model's device is not rebuilt")
@@ -257,7 +302,7 @@ class FitTakeover:
         if _batch_owner(self) is None: return super().all_batches()
         with contextlib.ExitStack() as stack:
             if self._fast_items: stack.enter_context(_item_path(self.dl))
-            if FAST['copies']: stack.enter_context(_copies_non_blocking(self, self.dl))
+            if self._fast_copies: stack.enter_context(_copies_non_blocking(self, self.dl))
             return super().all_batches()
 
     @takes_over('Learner.__call__', "one event name: no `L` built for it")
@@ -265,8 +310,17 @@ class FitTakeover:
         "fastai's; an event's name goes straight to the fit's dispatch"
         __tracebackhide__ = True
         p = _dispatch(self, event_name) if self._fast_dispatch and isinstance(event_name, str) else None
-        if p is None: return super().__call__(event_name)
-        p(self.cbs.items, event_name)
+        try:
+            if p is None: return super().__call__(event_name)
+            p(self.cbs.items, event_name)
+        except BaseException as e: _failed(self, e); raise # the fit's end, where it leaves the fit (`remove_cbs`)
+
+    @takes_over('Learner._do_epoch', "an error leaving an epoch noted as the fit's: fastai's `fit` then ends in `remove_cbs`")
+    def _do_epoch(self):
+        "fastai's `_do_epoch`; an error it raises is the fit's (see `remove_cbs`)"
+        __tracebackhide__ = True
+        try: return super()._do_epoch()
+        except BaseException as e: _failed(self, e); raise
 
     @takes_over('Learner._call_one', "callbacks called at each event without resolving the events they lack again; "
                 "everything given back after `after_fit`")
@@ -282,22 +336,25 @@ class FitTakeover:
         if p is None: return super()._call_one(event_name)
         p(self.cbs.items, event_name)
 
-    @takes_over('Learner.remove_cbs', "fastai's `fit` removes its callbacks in a `finally`: a fit that raised is given back there, "
-                "with no window's gradients left behind and the other processes stopped")
+    @takes_over('Learner.remove_cbs', "fastai's `fit` removes its callbacks in a `finally`: a fit that raised (an error "
+                "left its events or epochs) is given back there, with no window's gradients left and the other processes stopped")
     def remove_cbs(self, cbs):
         "fastai's `remove_cbs`; at the end of a fit that raised, everything given back, and other processes told (`failfast`)"
         __tracebackhide__ = True
-        e = sys.exc_info()[1]
-        kept = [cb for cb in L(cbs) if sum(o is cb for o in self.cbs) > 1] # passed to `fit` and attached: it stays attached
+        # passed to `fit` and attached: it stays attached
+        kept = [cb for cb in L(cbs) if sum(o is cb for o in self.cbs) > 1]
         try: return super().remove_cbs(cbs)
         finally:
             for cb in kept: cb.learn = self; setattr(self, cb.name, cb)
-            if e is not None and _fit_of(self) is not None: _raised(self, e)
+            fit = _fit_of(self)
+            # the error goes on as fastai raised it
+            if fit is not None and fit.error is not None: _fit_failed(self, fit.error)
 
     @takes_over('Learner.__reduce_ex__', "pickled during the fit (`export` from a callback), the Learner is its own class")
     def __reduce_ex__(self, protocol):
         "The Learner pickled as its own class, without what the fit took over: the file loads where this library is not installed"
-        state = {k:v for k,v in self.__dict__.items() if k != '_fxa_fit'}
+        state = self.__getstate__() # fastai's `Learner.__getstate__` (without the lock), or its subclass's
+        if isinstance(state, dict) and '_fxa_fit' in state: state = {k:v for k,v in state.items() if k != '_fxa_fit'}
         return (copyreg._reconstructor, (self._fastai_class, object, None), state)
 
 # %% ../nbs/patches.ipynb #7c6522bf
@@ -329,11 +386,13 @@ def _held_items(dl, samps, bs:int):
 
 def _held_batch(dl, b:list):
     "fastai's `dl.do_batch(b)`, without its `retain` where that gives the collated batch as it is: a first sample of plain tensors"
-    # fastai's `do_batch`, `retain(create_batch(before_batch(b)), b)`, with fastai's `retain`: read at each batch, as the items are
+    # fastai's `do_batch`, `retain(create_batch(before_batch(b)), b)`, with fastai's `retain`: read at each batch, as
+    # the items are
     if not _fastais(dl, 'do_batch', 'retain'): return dl.do_batch(b)
     res = dl.create_batch(dl.before_batch(b))
     # fastai's `retain_types` casts each collated tensor to its first sample's type where that type is a subclass of the
-    # tensor's: `Tensor` is a subclass of no tensor type, and a tuple stays a tuple (the same tensors, in a tuple built anew)
+    # tensor's: `Tensor` is a subclass of no tensor type, and a tuple stays a tuple (the same tensors, in a tuple built
+    # anew)
     first = b[0]
     if type(res) is tuple and type(first) is tuple and len(res) == len(first) and all(type(o) is Tensor for o in first): return res
     return dl.retain(res, b)
@@ -360,9 +419,11 @@ class _CopyThen:
 def _copies_non_blocking(learn, dl):
     "For the epoch, a fastai training loader with a device copies its batches pinned and `non_blocking=True`: no host sync per micro-batch"
     d = vars(dl) if isinstance(dl, FastaiDataLoader) else {}
-    key = '_device' if '_device' in d else 'device' # what fastai's `device` property keeps (fastai 2.8.12), or the attribute
+    # what fastai's `device` property keeps (fastai 2.8.12), or the attribute
+    key = '_device' if '_device' in d else 'device'
     dev = d.get(key)
-    if dev is None or 'dl' in d: yield; return # none to copy to; a loader that wraps another (`DistributedDL`) copies its own way
+    # none to copy to; a loader that wraps another (`DistributedDL`) copies its own way
+    if dev is None or 'dl' in d: yield; return
     # (a batch this leaves on the host, a loader's own `__iter__` say, is moved by `Learner._set_device` as in fastai)
     had,after = 'after_batch' in d,dl.after_batch
     d[key],d['after_batch'] = None,_CopyThen(learn, after, after if had else None)
@@ -384,7 +445,8 @@ def _item_path(dl):
         for o in dls: vars(o).pop('create_batches', None)
 
 # %% ../nbs/patches.ipynb #e6fb1720
-_fastai_cb_call = Callback.__call__ # fastai's: a callback whose class overrides it (or a library that replaced it) is called through it
+# fastai's: a callback whose class overrides it (or a library that replaced it) is called through it
+_fastai_cb_call = Callback.__call__
 _CANCELS = (CancelBatchException, CancelBackwardException, CancelEpochException, CancelFitException, CancelStepException,
             CancelTrainException, CancelValidException) # what fastai's `Callback.__call__` lets through unwrapped
 _EVENTS,_INNER = frozenset(_events),frozenset(_inner_loop)
@@ -394,6 +456,12 @@ _SKIP,_OWN,_FASTAI = 0,1,2 # how a callback is called at an event: not at all, i
 _M = object()
 
 def _order(o): return getattr(o, 'order', 0) # `L.sorted('order')`'s key
+_by_order = operator.attrgetter('order') # the same, without a Python call per item, where every item has an `order`
+
+def _sorted(items:list)->list:
+    "`items` sorted as fastai's `L.sorted('order')` sorts them"
+    try: return sorted(items, key=_by_order)
+    except AttributeError: return sorted(items, key=_order)
 
 def _plain(cb)->bool:
     "Whether `cb` is called by fastai's `Callback.__call__` and its missing attributes fall through to the Learner as `GetAttr`'s do"
@@ -438,7 +506,9 @@ class _Dispatch:
     def __call__(self, items:list, event_name:str):
         "fastai's `_call_one` and `Callback.__call__`: the same callbacks, in the same order, with the same run checks"
         __tracebackhide__ = True
-        order = sorted(items, key=_order) # re-read at each event: a callback added or removed is seen from the next
+        # re-read at each event: a callback added or removed is seen from the next
+        try: order = sorted(items, key=_by_order)
+        except AttributeError: order = sorted(items, key=_order)
         if order != self.order: self.order,self.hows = order,{}
         hows = self.hows.get(event_name)
         if hows is None: hows = self.hows[event_name] = [_how(cb, event_name) for cb in order]
@@ -454,7 +524,8 @@ class _Dispatch:
             except Exception as e:
                 raise modify_exception(e, f'Exception occured in `{cb.__class__.__name__}` when calling event `{event_name}`:\n\t{e.args[0]}', replace=True)
 
-# Learner: its `_Dispatch`, only while a fit accumulates. The `_Dispatch` holds the callbacks, and they the Learner: an entry
+# Learner: its `_Dispatch`, only while a fit accumulates. The `_Dispatch` holds the callbacks, and they the Learner: an
+# entry
 # left behind would keep the Learner and its model alive for good (a weak key does not die while its value holds it)
 _plans = weakref.WeakKeyDictionary()
 
@@ -499,7 +570,8 @@ def callback_methods(learn:Learner, # The Learner whose fit starts
         for module,cname,name,f in _ADAPTERS:
             if only is not None and f'{cname}.{name}' not in only: continue
             c = fastai_class(module, cname)
-            # the method `cb` runs is the one this adapter is for: fastai's, of this class (`LRFinder`'s, not `ParamScheduler`'s)
+            # the method `cb` runs is the one this adapter is for: fastai's, of this class (`LRFinder`'s, not
+            # `ParamScheduler`'s)
             if c is not None and isinstance(cb, c) and getattr(type(cb), name, None) is vars(c).get(name) and is_fastais(vars(c).get(name)):
                 fit.set(cb, name, functools.partial(f, cb, acc))
 
@@ -521,7 +593,8 @@ def _recorder_after_batch(self, acc):
         self.lrs.append(learn.opt.hypers[-1]['lr'])
         self.losses.append(sl.value)
         learn.smooth_loss = self.losses[-1]
-    elif sl.count == 0: learn.smooth_loss = sl.value # defined from the first micro-batch on (`LRFinder` reads it every batch)
+    # defined from the first micro-batch on (`LRFinder` reads it every batch)
+    elif sl.count == 0: learn.smooth_loss = sl.value
 
 def _sched_after_batch(self, acc):
     "Record the hyper-parameters once per optimizer step"
@@ -582,7 +655,8 @@ def _lrfinder_after_fit(self, acc):
     "fastai's `after_fit`; several processes: each loads process 0's file back, then they meet before it is removed"
     if num_distrib() <= 1: return fastai_class('fastai.callback.schedule', 'LRFinder').after_fit(self)
     self.learn.opt.zero_grad()
-    if (self.path/self.model_dir/self.tmp_p/'_tmp.pth').exists(): self.learn.load(f'{self.tmp_p}/_tmp', with_opt=True) # a barrier first
+    # a barrier first
+    if (self.path/self.model_dir/self.tmp_p/'_tmp.pth').exists(): self.learn.load(f'{self.tmp_p}/_tmp', with_opt=True)
     distrib_barrier() # every process has read the file
     self.tmp_d.cleanup()
 
@@ -619,17 +693,30 @@ def _format_config_value(v):
     if not isinstance(v, (Learner, Callback)): return v
     args = {k:o for k,o in _init_args(v).items() if not (isinstance(v, Learner) and k in ('dls','model','cbs'))}
     if not args: return str(v) if isinstance(v, Callback) else v
-    return {**sys.modules['fastai.callback.wandb']._format_config(args), '_name': v}
+    return {**_format_config(args), '_name': v}
+
+def _format_config(config:dict)->dict:
+    "fastai's `_format_config` with the value formatter above, into a new dict"
+    return {k:_format_config(v) if isinstance(v, dict) else _format_config_value(v) for k,v in config.items()}
 
 @adapts('fastai.callback.wandb', 'WandbCallback', 'before_fit', "a config fastcore 2 can format (fastai 2.8.12's `WandbCallback` "
-        "crashes in `before_fit` on fastcore 2: its module's `_format_config_value` is fastcore 2's for that call only)")
+        "crashes in `before_fit` on fastcore 2): the config formatted and logged here, fastai's module untouched")
 def _wandb_before_fit(self, acc):
-    "fastai's `before_fit`, with a config formatter that works on fastcore 1 and 2"
+    "fastai's `before_fit`; on fastcore 2, the Learner's config formatted here (fastai's formatter fails there) and logged after it"
     mod = sys.modules['fastai.callback.wandb']
-    own = mod._format_config_value
-    if 'init_args' in getattr(own, '__code__', types.SimpleNamespace(co_names=())).co_names: mod._format_config_value = _format_config_value
+    if 'init_args' not in getattr(mod._format_config_value, '__code__', types.SimpleNamespace(co_names=())).co_names:
+        return mod.WandbCallback.before_fit(self)
+    d,gather,args = vars(self.learn),self.learn.gather_args,[]
+    def _gather(): args.append(gather()); return {} # fastai formats and logs an empty config: this Learner's, for this call
+    own = d.get('gather_args', _M)
+    d['gather_args'] = _gather
     try: mod.WandbCallback.before_fit(self)
-    finally: mod._format_config_value = own
+    finally:
+        if own is _M: d.pop('gather_args', None)
+        else: d['gather_args'] = own
+    if not args: return # fastai's `before_fit` returned before the config (`lr_find`, a process other than 0)
+    try: mod.wandb.config.update(_format_config(args[0]), allow_val_change=True)
+    except Exception as e: print(f'WandbCallback could not log config parameters -> {e}') # as fastai's
 
 @adapts('fastai.callback.wandb', 'WandbCallback', 'before_batch', "times each window")
 def _wandb_before_batch(self, acc):
@@ -657,7 +744,8 @@ def _wandb_after_batch(self, acc):
 @adapts('fastai.callback.tensorboard', 'TensorBoardCallback', 'after_batch', "a point per optimizer step")
 def _tensorboard_after_batch(self, acc):
     "Log loss, hyper-parameters and window size once per optimizer step, at the micro-batch step"
-    # per optimizer step: only when a window closes, never while validating (fastai re-logs the last values there, same step)
+    # per optimizer step: only when a window closes, never while validating (fastai re-logs the last values there, same
+    # step)
     running = vars(acc).get('accumulating')
     if running and acc.log_accum_batch and not (self.training and acc.window_closed): return
     sys.modules['fastai.callback.tensorboard'].TensorBoardCallback.after_batch(self)

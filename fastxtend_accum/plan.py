@@ -4,7 +4,7 @@
 
 # %% ../nbs/plan.ipynb #05a054c5
 from __future__ import annotations
-import contextlib, numbers, sys, warnings
+import contextlib, numbers, sys
 from copy import deepcopy
 from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader
@@ -57,8 +57,10 @@ def sampler_sizes(dl:torch.utils.data.DataLoader, # A PyTorch loader with a batc
     try:
         with _random_states_kept(*([g] if g is not None else [])): # the training loop will draw the same numbers again
             it = iter(deepcopy(bs, keep))
-            if not (dl.persistent_workers and getattr(dl, '_iterator', None) is not None): # a reused iterator draws no new seed
-                torch.empty((), dtype=torch.int64).random_(generator=g) # what PyTorch's iterator draws before the first batch
+            # a reused iterator draws no new seed
+            if not (dl.persistent_workers and getattr(dl, '_iterator', None) is not None):
+                # what PyTorch's iterator draws before the first batch
+                torch.empty((), dtype=torch.int64).random_(generator=g)
             sizes = [len(b) for b in it]
     except Exception: return None # a sampler that cannot be copied or measured: sizes are not known ahead
     return sizes if len(sizes) == len(dl) else None
@@ -75,13 +77,16 @@ def micro_batch_sizes(dl)->list[int]|None:
     dealt = getattr(dl, 'window_dealt_sizes', None) # `dealing.WindowDealtDL`: the order dealt window by window
     if callable(dealt): return dealt()
     whole = split_loader(dl)
-    if whole is not None: # fastai's `DistributedDL`: this process's slice of the epoch, batched by the loader it wraps, whose
-        # own sizes must be known; `len(dl)` rounds the whole loader's up to a multiple of the world size, so it is no check
+    # fastai's `DistributedDL`: this process's slice of the epoch, batched by the loader it wraps, whose
+    if whole is not None:
+        # own sizes must be known; `len(dl)` rounds the whole loader's up to a multiple of the world size, so it is no
+        # check
         return None if micro_batch_sizes(whole) is None else _sizes(samples_per_process(dl), whole.bs, whole.drop_last)
     if isinstance(dl, FastaiDataLoader): n,bs,drop = dl.n,dl.bs,dl.drop_last
     elif isinstance(dl, torch.utils.data.DataLoader):
         if dl.batch_size is None: return sampler_sizes(dl)
-        try: n = len(dl.sampler) # PyTorch's `DistributedSampler`: this process's samples, padded or cut to an equal share
+        # PyTorch's `DistributedSampler`: this process's samples, padded or cut to an equal share
+        try: n = len(dl.sampler)
         except TypeError: return None
         bs,drop = dl.batch_size,dl.drop_last
     else: return None
@@ -142,10 +147,11 @@ def _zero_loss(pred):
 
 class BatchSplitter(LeftOutOfExport, Callback):
     """What `GradientAccumulation` and `MicroBatching` share: one Learner at a time, nothing left behind when detached, and
-    the wiring of the window engine (`window.Windows`) into fastai: the engine's sync, the weighted backward"""
+    the wiring of the window engine (`window.WindowState`) into fastai: the engine's sync, the weighted backward"""
     _learn,splits_batches,accumulating = None,True,False
-    takes_over = () # the Learner methods it takes over for its fit (`patches.take_over`): a subclass must not override them
-    windows:Windows # the window engine: its state and arithmetic (`window`)
+    # the Learner methods it takes over for its fit (`patches.take_over`): a subclass must not override them
+    takes_over = ()
+    windows:WindowState # the window engine: its state and arithmetic (`window`)
     @property
     def counter(self):
         "What the micro-batches' items are counted by (what `normalize_by='auto'` read)"
@@ -165,7 +171,8 @@ class BatchSplitter(LeftOutOfExport, Callback):
     @learn.setter
     def learn(self, learn):
         check_one_learner(self, learn)
-        if learn is None and self._learn is not None: self.end_fit() # `remove_cb`, the end of `fit(cbs=...)`: nothing left behind
+        # `remove_cb`, the end of `fit(cbs=...)`: nothing left behind
+        if learn is None and self._learn is not None: self.end_fit()
         self._learn = learn
     def end_fit(self):
         "However the fit ended: no gradients, nothing patched left behind"
@@ -185,7 +192,8 @@ class BatchSplitter(LeftOutOfExport, Callback):
         learn,r = self.learn,self.windows
         if r.window is not None:
             c,lg = r.mb_items,r.weighted(learn.loss_grad) # loss_i * items_i/rho, on the device: no sync
-            if lg is None: lg = _zero_loss(learn.pred) # no items: an exact 0, through the model (its engine communicates alike)
+            # no items: an exact 0, through the model (its engine communicates alike)
+            if lg is None: lg = _zero_loss(learn.pred)
             elif isinstance(c, Tensor) and r.guards_zero: self._zero_guard(c)
             learn.loss_grad = lg
         if learn.loss_grad is not None: learn._backward()
@@ -205,7 +213,8 @@ class BatchSplitter(LeftOutOfExport, Callback):
         "The gradients of the model (unless `model=False`) and of every parameter the optimizer holds outside it (a loss's, through `splitter`)"
         learn,ps = self._learn,self.__dict__.get('_params')
         m,opt = learn.model,getattr(learn, 'opt', None)
-        # listed once an epoch, not once a step: again for another model or optimizer object, and at every `before_train`
+        # listed once an epoch, not once a step: again for another model or optimizer object, and at every
+        # `before_train`
         # (an engine may have replaced the parameters)
         if ps is None or ps[0] is not m or ps[1] is not opt:
             mine = {id(p):p for p in m.parameters()}

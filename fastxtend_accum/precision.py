@@ -4,7 +4,6 @@
 
 # %% ../nbs/precision.ipynb #b94d04da
 from __future__ import annotations
-import warnings
 import torch, torch.distributed as dist
 from torch import nn, Tensor
 from .window import raised_everywhere, scale_grads
@@ -26,7 +25,8 @@ def summed_in(p:Tensor, accum_dtype:torch.dtype|None)->bool:
     return accum_dtype is not None and p.is_floating_point() and torch.finfo(p.dtype).bits < torch.finfo(accum_dtype).bits
 
 # %% ../nbs/precision.ipynb #02599c44
-CHUNK = 2**18 # elements: on the CPU, a mixed-dtype add makes a widened copy of its 16-bit input, at most this large here
+# elements: on the CPU, a mixed-dtype add makes a widened copy of its 16-bit input, at most this large here
+CHUNK = 2**18
 
 def widen_add_(b:Tensor, g:Tensor):
     "`b += g` for a 16-bit `g` and a wider `b`; on the CPU in chunks, so that the widened copy PyTorch makes is one chunk's"
@@ -67,7 +67,8 @@ class FloatGrads:
                  who:str='GradientAccumulation', # The callback, for messages
                 ):
         self.accum_dtype,self.who = check_accum_dtype(accum_dtype),who
-        # per fit: the model, its parameters summed in `accum_dtype`, their hooks; per window: the buffers, micro-batches seen
+        # per fit: the model, its parameters summed in `accum_dtype`, their hooks; per window: the buffers,
+        # micro-batches seen
         self.model,self.params,self.hooks,self.bufs,self.n_micro,self.warned = None,[],[],[],0,False
 
     @property
@@ -85,7 +86,8 @@ class FloatGrads:
         self.bufs = [None]*len(self.params)
         self.hooks = [p.register_post_accumulate_grad_hook(self._adder(i)) for i,p in enumerate(self.params)]
         low = next((p for p in ps if p.is_floating_point() and p.element_size() < 4), None)
-        if low is not None: self.hooks.append(low.register_post_accumulate_grad_hook(self._count)) # micro-batches, for the warning
+        # micro-batches, for the warning
+        if low is not None: self.hooks.append(low.register_post_accumulate_grad_hook(self._count))
 
     def _adder(self, i:int):
         def add(p:Tensor):
@@ -133,7 +135,8 @@ class FloatGrads:
         mine = {id(p) for p in self.params} # the rest: wider parameters, and any a callback unfroze since `attach`
         rest = [p for p in self.model.parameters() if p.requires_grad and id(p) not in mine]
         if sync is not None and self.reduces(sync):
-            for i,p in enumerate(self.params): # every process reduces the same tensors, whether it made their gradient or not
+            # every process reduces the same tensors, whether it made their gradient or not
+            for i,p in enumerate(self.params):
                 if self.bufs[i] is None: self.bufs[i] = torch.zeros_like(p, dtype=self.accum_dtype)
             for p in rest:
                 if p.grad is None: p.grad = torch.zeros_like(p)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/sharded.ipynb #ade63f95
 from __future__ import annotations
-import contextlib, functools, importlib, itertools, os, sys, weakref
+import contextlib, functools, itertools, os
 from datetime import timedelta
 import torch.distributed as dist
 from fastai.basics import *
@@ -203,7 +203,8 @@ def _states(sd:dict)->list[tuple]:
 def _with_states(sd:dict, states:dict, n:int)->dict:
     "`sd` with its per-parameter states replaced by `states`, in `sd`'s own form"
     out = {**sd, 'state': states if isinstance(sd['state'], dict) else [states.get(i, {}) for i in range(n)]}
-    if 'hypers' in sd: out['hypers'] = L(dict(h) for h in sd['hypers']) # fastai's: its own dicts, not the other optimizer's
+    # fastai's: its own dicts, not the other optimizer's
+    if 'hypers' in sd: out['hypers'] = L(dict(h) for h in sd['hypers'])
     return out
 
 def full_opt_state(opt, # An optimizer on a sharded model's parameters (fastai's, or OptimWrapper)
@@ -264,7 +265,8 @@ def shard_model(model:nn.Module, # The plain model, left as it is
     shares `model`'s weights until sharding cuts them (no second copy is made), on this process's device"""
     if FSDPModule is None: raise ImportError(linked("Sharded training needs PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`, PyTorch 2.6+)", 'fsdp'))
     if engine not in ENGINES: raise ValueError(linked(f"`engine` must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}", 'arguments'))
-    memo = {id(p): nn.Parameter(p.data, p.requires_grad) for p in model.parameters()} # the same storage, other Parameters
+    # the same storage, other Parameters
+    memo = {id(p): nn.Parameter(p.data, p.requires_grad) for p in model.parameters()}
     try: sharded = deepcopy(model, memo)
     except Exception as e:
         raise RuntimeError(linked(f"Sharded training shards a copy of the model, and {type(model).__name__} cannot be copied ({e}): "
@@ -309,7 +311,8 @@ class ShardedTrainer(LeftOutOfExport, Callback):
         self.plain = None
         if not is_sharded(self.model): self._shard()
         check_opt(self.model, self.opt)
-        take_over(self.learn, self, 'sharded') # `learn.save`/`load`, `GradientClip` on the shards, for the fit (`patches`)
+        # `learn.save`/`load`, `GradientClip` on the shards, for the fit (`patches`)
+        take_over(self.learn, self, 'sharded')
         self.old_dls,self.old_logger = list(self.dls),self.learn.logger
         if self.world_size > 1: self.learn.dls.loaders = [self._wrap_dl(dl) for dl in self.dls]
         if self.rank: self.learn.logger = noop
@@ -345,7 +348,8 @@ class ShardedTrainer(LeftOutOfExport, Callback):
         model = shard_model(plain, self.policy, self.engine, **self.kwargs)
         layout = layout_of(model)
         new = None if opt is None else self._sharded_opt(opt, names, layout.params(), layout)
-        with torch.no_grad(): # free the plain weights, keeping each Parameter (its identity, device, dtype) for after the fit
+        # free the plain weights, keeping each Parameter (its identity, device, dtype) for after the fit
+        with torch.no_grad():
             for p in plain.parameters(): p.grad,p.data = None,p.data.new_empty(0)
         self.plain,self.plain_opt,self.layout = plain,opt,layout
         self.learn.model,self.learn.opt = model,new
@@ -398,7 +402,8 @@ def to_sharded(self:Learner,
 ):
     "Add a `ShardedTrainer` to the Learner; only rank 0 shows progress, and batches go to this process's GPU under NCCL"
     self.add_cb(ShardedTrainer(policy, engine, sync_module_states, **kwargs))
-    self.__class__ = kept_class(own_class(type(self)), self, (ShardedFit,)) # a sharded Learner: `save`/`load` gather the shards
+    # a sharded Learner: `save`/`load` gather the shards
+    self.__class__ = kept_class(own_class(type(self)), self, (ShardedFit,))
     if dist.get_rank() and hasattr(self, 'progress'): self.remove_cb(self.progress); self._sharded_bar = True
     device = _reduce_device(None)
     if device.type != 'cpu' and getattr(self.dls, 'device', None) != device: self._sharded_device,self.dls.device = self.dls.device,device
@@ -517,7 +522,8 @@ class _FullOpt:
     def load_state_dict(self, sd): self.opt.load_state_dict(part_opt_state(sd, opt_params(self.opt), self.layout))
 
 FIT_PARTS.append(ShardedFit)
-# a model the user sharded stays sharded after the fit: the Learner keeps `save` and `load` for it (its own class's otherwise)
+# a model the user sharded stays sharded after the fit: the Learner keeps `save` and `load` for it (its own class's
+# otherwise)
 KEPT.append(lambda learn: ShardedFit if isinstance(getattr(learn, 'model', None), nn.Module) and is_sharded(learn.model) else None)
 
 # %% ../nbs/sharded.ipynb #9700692a
@@ -534,7 +540,8 @@ def sharded_fit(learn:Learner, # The Learner whose fit is taken over (patches.ta
     if sharding_engine(model) == 'fsdp1' and isinstance(learn.opt, Optimizer): fit.set(learn.opt, 'zero_grad', functools.partial(zero_grad_views, learn.opt))
     clip = fastai_class('fastai.callback.training', 'GradientClip')
     for cb in learn.cbs:
-        if clip is not None and isinstance(cb, clip) and is_fastais(type(cb).before_step): # a subclass's own: left as it is
+        # a subclass's own: left as it is
+        if clip is not None and isinstance(cb, clip) and is_fastais(type(cb).before_step):
             fit.set(cb, 'before_step', functools.partial(clip_step, cb, {}))
 
 FIT_HOOKS.append(sharded_fit)

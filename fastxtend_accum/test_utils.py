@@ -194,7 +194,8 @@ class CausalLM(nn.Module):
     def forward(self, x):
         "Next-character logits, as `(batch, VOCAB, length)`: the layout PyTorch's `CrossEntropyLoss` takes for sequences"
         n = x.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1) # a position sees itself and what comes before
+        # a position sees itself and what comes before
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
         h = self.blocks(self.tok(x) + self.pos(torch.arange(n, device=x.device)), mask=causal, is_causal=True)
         return self.head(self.norm(h)).transpose(1, 2)
 

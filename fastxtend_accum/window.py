@@ -4,7 +4,6 @@
 
 # %% ../nbs/window.ipynb #6a8184cb
 from __future__ import annotations
-import math, numbers
 from collections.abc import Callable
 import torch
 from torch import Tensor
@@ -12,7 +11,7 @@ from .messages import linked, batchnorm_message
 
 # %% auto #0
 __all__ = ['MAX_SIZE', 'fills', 'check_size', 'WindowPlan', 'Window', 'scale_grads', 'ProcessesDisagree', 'raised_everywhere',
-           'window_key', 'window_totals', 'window_ref', 'checks_counts', 'guards_zero', 'Windows', 'plans_agree']
+           'window_key', 'window_totals', 'window_ref', 'WindowState', 'plans_agree']
 
 # %% ../nbs/window.ipynb #a22c95d6
 def fills(seen:int, # Samples the window has been given so far (cancelled micro-batches too)
@@ -72,10 +71,12 @@ class Window:
     samples:int = 0
     items = 0.             # what the loss averages over: a number, or a float64 tensor on the device (settled)
     loss_sum = 0.          # sum of (loss x items) over the micro-batches; of losses if sum_reduced (settled)
-    counted:list           # (items, loss) of the micro-batches since: added to items and loss_sum at the step, all at once
+    # (items, loss) of the micro-batches since: added to items and loss_sum at the step, all at once
+    counted:list
     grad_losses:list       # the weighted losses back-propagated, detached: the step's `loss_grad`, summed and scaled
     ref = None             # rho: the items the weights divide by, fixed at the window's first weighted micro-batch
-    known = None           # its items, counted before its first forward (`MicroBatching` holds the whole batch): rho on one process
+    # its items, counted before its first forward (`MicroBatching` holds the whole batch): rho on one process
+    known = None
     items_min = None       # the smallest count (a user's counter's counts are checked at the step)
     # the current micro-batch
     backward_ran:bool = False
@@ -158,7 +159,8 @@ class Window:
         "What turns the accumulated gradient into the window's: `None` when nothing is to be done"
         # sum_i (c_i/rho) grad_i, averaged over R processes, times R*rho/C = sum_i (c_i/C) grad_i (the derivation above)
         if self.sum_reduced: return None if world_size == 1 else world_size
-        if world_size == 1 and self.known is not None: return None # rho was the window's items: the weights c_i/C sum to one
+        # rho was the window's items: the weights c_i/C sum to one
+        if world_size == 1 and self.known is not None: return None
         self.settle()
         c,f = self.items if items is None else items,self.ref if world_size == 1 else world_size*self.ref
         # a window of padding only has zero gradients anyway: 1 (counts are never negative; a user's are checked first)
@@ -242,17 +244,7 @@ def window_ref(target:int, # Samples expected in the window
     if rate is None: return (items*(target/samples)).clamp(min=1) if isinstance(items, Tensor) else max(items*target/samples, 1)
     return (rate*target).clamp(min=1) if isinstance(rate, Tensor) else max(rate*target, 1)
 
-def checks_counts(counter, # The counter of a callback (its normalize_by)
-                 )->bool:
-    "Whether a counter's counts are checked at the step: a user's; not this library's, valid as they are made"
-    return not getattr(counter, 'counts_valid', False)
-
-def guards_zero(counter, # The counter of a callback (its normalize_by)
-               )->bool:
-    "Whether a counter's count can be 0 with a loss of 0/0 (zero class weights; a user's counter): its gradient is guarded"
-    return getattr(counter, 'zero_nan', True)
-
-class Windows:
+class WindowState:
     "A fit's accumulation state, by lifetime: what one callback holds besides its parameters (no fastai here)"
     # across fits
     warned:set             # one-time messages already given
@@ -314,11 +306,11 @@ class Windows:
     @property
     def checks_counts(self)->bool:
         "Whether the counts are checked at the step: a user's counter's; not this library's, valid as they are made"
-        return checks_counts(self.counter)
+        return not getattr(self.counter, 'counts_valid', False)
     @property
     def guards_zero(self)->bool:
         "Whether a micro-batch's count can be 0 with a loss of 0/0 (zero class weights; a user's counter)"
-        return guards_zero(self.counter)
+        return getattr(self.counter, 'zero_nan', True)
     @property
     def syncs(self)->bool:
         "Whether the micro-batch's backward communicates the window's gradient: it closes it, and no float32 sum reduces by hand"
@@ -328,7 +320,8 @@ class Windows:
     def per_process(self, bs:int, # Samples of a window, as `accum_bs` counts them
                    )->int:
         "Samples each process adds to a window of `bs` (as `accum_bs` counts them): with `global_bs`, its share, rounded up"
-        # a window closes at the first micro-batch that reaches the share: with equal micro-batches, where the global count
+        # a window closes at the first micro-batch that reaches the share: with equal micro-batches, where the global
+        # count
         # first reaches `bs` (ceil(ceil(bs/R)/m) = ceil(bs/(R*m)))
         return -(-bs//self.world_size) if self.global_bs else bs
     def over_processes(self, bs:int, # Samples of a window, as `accum_bs` counts them
@@ -340,7 +333,8 @@ class Windows:
         if self.by_samples: return self.window_bs
         known = self.window.known
         if known is not None and self.world_size == 1: return known.clamp(min=1e-300) if isinstance(known, Tensor) else max(known, 1e-300)
-        # 'auto' read a cross-entropy's items per sample once, on the host (`AutoNormalize.rate`): a number, no op per window
+        # 'auto' read a cross-entropy's items per sample once, on the host (`AutoNormalize.rate`): a number, no op per
+        # window
         rate = self.auto.rate if self.world_size == 1 and self.reads_loss else None
         if rate is not None: return max(rate*self.window_bs, 1)
         return window_ref(self.window_bs, self.mb_items, self.mb_samples, self.rate)
@@ -352,7 +346,8 @@ class Windows:
         "At the fit's first window, over several processes: items per sample and samples per process over all of them, the first rho everywhere (one all-reduce a fit)"
         if self.rate is None and self.world_size > 1:
             c,m = self.sync.sum(items, samples)
-            self.rate,self.mean_bs = c/m,m/self.world_size # any rho is exact if the whole window uses it; the same on every process
+            # any rho is exact if the whole window uses it; the same on every process
+            self.rate,self.mean_bs = c/m,m/self.world_size
 
     def weighted(self,
                  loss:Tensor, # The micro-batch's loss, after every `before_backward` callback
@@ -387,7 +382,8 @@ class Windows:
             if not w.sum_reduced: self.rate = c/held
         w.record = w.loss(c, l)
         w.grad_scale = scale = w.scale(sync.world_size, c)
-        # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is scaled
+        # a 16-bit model's float32 sums (`precision`) are averaged over processes, scaled and rounded once; or p.grad is
+        # scaled
         summed = self.fgrads.to_grads(scale, sync) # the model's: a loss's parameters, outside it, are scaled here
         if scale is not None: scale_grads(grads(model=not summed), scale)
         w.done,w.stepped,w.held = True,True,held

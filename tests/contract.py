@@ -1,17 +1,19 @@
 """The cases of the contract between the window and the other callbacks of a fit (issue 23), on one process, float64:
 each builds an accumulated run and the large-batch run on the same samples. Shared by `test_contract.py` (which asserts)
 and `figures_contract.py` (which prints the figures, for whichever fastxtend_accum is on PYTHONPATH)."""
-import math, warnings
+import warnings
 from functools import partial
 from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader
 from fastxtend_accum.all import *
 from fastxtend_accum.test_utils import *
 
-MICRO,ACCUM,N_TRAIN = 16,64,1024 # 64 micro-batches an epoch, 16 windows of 4
+MICRO, ACCUM, N_TRAIN = 16, 64, 1024  # 64 micro-batches an epoch, 16 windows of 4
+
 
 class CancelAt(Callback):
     "Cancel the micro-batches `at` ((epoch, iter) pairs) in `event`, at `order`: a guard that cancels what it does not like"
+
     def __init__(self, at, event='before_batch', order=0, exc=CancelBatchException):
         self.at,self.event,self.order,self.exc = set(at),event,order,exc
         setattr(self, event, self._cancel)
@@ -57,8 +59,10 @@ def compare(large, accum)->dict:
 def cancel_runs(at, event='before_batch', order=0, exc=CancelBatchException, one_cycle=True):
     "The large batch without the cancelled micro-batches' rows, and GradientAccumulation with the guard"
     large = fit(digits_learner(ACCUM, n_train=N_TRAIN, cbs=DropRows(at)), one_cycle=one_cycle)
-    accum = fit(digits_learner(MICRO, n_train=N_TRAIN, cbs=[GradientAccumulation(ACCUM), CancelAt(at, event, order, exc)]),
-                one_cycle=one_cycle)
+    accum = fit(
+        digits_learner(MICRO, n_train=N_TRAIN, cbs=[GradientAccumulation(ACCUM), CancelAt(at, event, order, exc)]),
+        one_cycle=one_cycle,
+    )
     return large,accum
 
 def regulariser_runs(order, micro_batching=False):
@@ -73,7 +77,9 @@ def class3_learner(bs, cbs=(), weight=None):
     three,other = (y == 3).nonzero().squeeze(1),(y != 3).nonzero().squeeze(1)
     idx = torch.cat([torch.cat([three[16*w:16*(w+1)], other[48*w:48*(w+1)]]) for w in range(8)])
     trn,val = Samples(zip(x[idx], y[idx])),Samples(zip(x[-200:], y[-200:]))
-    dls = DataLoaders(FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=200, device='cpu'), device='cpu')
+    dls = DataLoaders(
+        FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=200, device='cpu'), device='cpu'
+    )
     w = torch.ones(10, dtype=torch.float64) if weight is None else weight
     return Learner(dls, digits_mlp(), loss_func=nn.CrossEntropyLoss(weight=w), opt_func=SGD, lr=0.1,
                    cbs=[Float64SmoothLoss()] + list(cbs))
@@ -81,7 +87,11 @@ def class3_learner(bs, cbs=(), weight=None):
 def zero_weight_runs(micro_batching=False):
     w = torch.ones(10, dtype=torch.float64); w[3] = 0
     large = fit(class3_learner(ACCUM, weight=w))
-    accum = fit(class3_learner(ACCUM, [MicroBatching(MICRO)], w) if micro_batching else class3_learner(MICRO, [GradientAccumulation(ACCUM)], w))
+    accum = fit(
+        class3_learner(ACCUM, [MicroBatching(MICRO)], w)
+        if micro_batching
+        else class3_learner(MICRO, [GradientAccumulation(ACCUM)], w)
+    )
     return large,accum
 
 SUM_LOSSES = {'nn.CrossEntropyLoss(reduction=sum)': lambda: nn.CrossEntropyLoss(reduction='sum'),
@@ -91,8 +101,13 @@ SUM_LOSSES = {'nn.CrossEntropyLoss(reduction=sum)': lambda: nn.CrossEntropyLoss(
 def sum_loss_runs(name, cb='ga'):
     lf,lr = SUM_LOSSES[name],0.1/ACCUM # the gradient of a sum is ACCUM times the mean's
     large = fit(digits_learner(ACCUM, n_train=N_TRAIN, loss_func=lf()), lr=lr)
-    if cb == 'mb': accum = fit(digits_learner(ACCUM, n_train=N_TRAIN, loss_func=lf(), cbs=MicroBatching(MICRO)), lr=lr)
-    elif cb == 'schedule': accum = fit(digits_learner(MICRO, n_train=N_TRAIN, loss_func=lf(), cbs=GradientAccumulationSchedule(ACCUM, ACCUM)), lr=lr)
+    if cb == 'mb':
+        accum = fit(digits_learner(ACCUM, n_train=N_TRAIN, loss_func=lf(), cbs=MicroBatching(MICRO)), lr=lr)
+    elif cb == 'schedule':
+        accum = fit(
+            digits_learner(MICRO, n_train=N_TRAIN, loss_func=lf(), cbs=GradientAccumulationSchedule(ACCUM, ACCUM)),
+            lr=lr,
+        )
     else: accum = fit(digits_learner(MICRO, n_train=N_TRAIN, loss_func=lf(), cbs=GradientAccumulation(ACCUM)), lr=lr)
     return large,accum
 
@@ -107,9 +122,17 @@ def image_digits_learner(bs, cbs=(), float64=False):
     x,y = digits_data(dtype)
     x = x.view(-1, 1, 8, 8)
     trn,val = Samples(zip(x[:N_TRAIN], y[:N_TRAIN])),Samples(zip(x[-200:], y[-200:]))
-    dls = DataLoaders(FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=200, device='cpu'), device='cpu')
-    return Learner(dls, nn.Sequential(nn.Flatten(), digits_mlp(dtype=dtype)), loss_func=CrossEntropy64() if float64 else CrossEntropyLossFlat(),
-                   opt_func=SGD, lr=0.1, cbs=([Float64SmoothLoss()] if float64 else []) + list(cbs))
+    dls = DataLoaders(
+        FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=200, device='cpu'), device='cpu'
+    )
+    return Learner(
+        dls,
+        nn.Sequential(nn.Flatten(), digits_mlp(dtype=dtype)),
+        loss_func=CrossEntropy64() if float64 else CrossEntropyLossFlat(),
+        opt_func=SGD,
+        lr=0.1,
+        cbs=([Float64SmoothLoss()] if float64 else []) + list(cbs),
+    )
 
 def mix_cb(mix_cls:str, float64=False):
     "fastai's MixUp or CutMix; in float64 its `lam` drawn in float64 (fastai draws float32; CutMix's from the box, cast after)"
@@ -120,7 +143,10 @@ def mix_cb(mix_cls:str, float64=False):
             super().before_batch()
             self.lam = self.lam.to(torch.float64)
     m = dict(MixUp=MixUp, CutMix=CutMix64 if float64 else CutMix)[mix_cls]()
-    if float64: m.distrib = Beta(*(torch.tensor(float(a), dtype=torch.float64) for a in (m.distrib.concentration1, m.distrib.concentration0)))
+    if float64:
+        m.distrib = Beta(
+            *(torch.tensor(float(a), dtype=torch.float64) for a in (m.distrib.concentration1, m.distrib.concentration0))
+        )
     return m
 
 def mix_runs(mix_cls, float64=False):

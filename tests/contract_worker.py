@@ -28,14 +28,21 @@ CASES = {
 }
 # the other cases of the contract on 2 processes (no cancel): a term added in before_backward at `order`, a sum-reduced
 # loss, a class weight of 0 (each window's first micro-batch holds only that class); case: (engine, grad_sync, variant)
-OTHER = {'ddp-l2-order0': ('ddp', 'auto', dict(l2=0)), 'ddp-l2-order10': ('ddp', 'auto', dict(l2=10)),
-         'ddp-l2-order60': ('ddp', 'auto', dict(l2=60)), 'ddp-sum': ('ddp', 'auto', dict(reduction='sum', lr=LR/128)),
-         'ddp-zero-weight': ('ddp', 'auto', dict(weight0=3)),
-         # issue 38: a NaN sample in process 1's 2nd window, a guard on `learn.loss` at before_step (both processes skip the
-         # step: the loss is the global window's); a learnable temperature of the loss in the optimizer, outside the DDP model
-         # (each process's follows its own windows' mean gradient, as under DDP on the large batch), on 250 samples per
-         # process: each epoch ends with a window of 58 on each, whose gradient the scale corrects
-         'ddp-nan-loss-guard': ('ddp', 'auto', dict(nan=(1, 64+5))), 'ddp-loss-param': ('ddp', 'auto', dict(temp=True, n=250))}
+OTHER = {
+    'ddp-l2-order0': ('ddp', 'auto', dict(l2=0)),
+    'ddp-l2-order10': ('ddp', 'auto', dict(l2=10)),
+    'ddp-l2-order60': ('ddp', 'auto', dict(l2=60)),
+    'ddp-sum': ('ddp', 'auto', dict(reduction='sum', lr=LR / 128)),
+    'ddp-zero-weight': ('ddp', 'auto', dict(weight0=3)),
+    # issue 38: a NaN sample in process 1's 2nd window, a guard on `learn.loss` at before_step (both processes skip
+    # the
+    # step: the loss is the global window's); a learnable temperature of the loss in the optimizer, outside the DDP
+    # model
+    # (each process's follows its own windows' mean gradient, as under DDP on the large batch), on 250 samples per
+    # process: each epoch ends with a window of 58 on each, whose gradient the scale corrects
+    'ddp-nan-loss-guard': ('ddp', 'auto', dict(nan=(1, 64 + 5))),
+    'ddp-loss-param': ('ddp', 'auto', dict(temp=True, n=250)),
+}
 for k,(e,s,v) in OTHER.items(): CASES[k] = (e, s, set(), 'before_batch', 0, v)
 LAM = 1e-2
 
@@ -53,7 +60,10 @@ def samples(rank:int, case:str|None=None)->list:
     nan = variant(case).get('nan') if case else None
     if nan is not None and nan[0] == rank: x = x.clone(); x[n*rank+nan[1], 10] = float('nan')
     c = variant(case).get('weight0') if case else None
-    if c is None: return list(zip(x[n*rank:n*(rank+1)], y[n*rank:n*(rank+1)]))[:variant(case).get('n') if case else None]
+    if c is None:
+        return list(zip(x[n * rank : n * (rank + 1)], y[n * rank : n * (rank + 1)]))[
+            : variant(case).get('n') if case else None
+        ]
     # each window: a first micro-batch of class c only (weight 0: loss 0/0 on its own), then others
     per,nw = ACCUM_BS-MICRO_BS,n//ACCUM_BS
     cs,other = (y == c).nonzero().squeeze(1)[MICRO_BS*nw*rank:],(y != c).nonzero().squeeze(1)[per*nw*rank:]
@@ -90,6 +100,7 @@ class L2Term(Callback):
 
 class Cancel(Callback):
     "Cancel this process's micro-batches `at` in `event`, at `order` (a NaN guard in after_loss, a filter in before_batch)"
+
     def __init__(self, at, event, order): self.at,self.order = at,order; setattr(self, event, self._cancel)
     def _cancel(self):
         if self.training and (self.epoch, self.iter) in self.at: raise CancelBatchException()
@@ -101,13 +112,29 @@ def run(case:str, out:str, rank:int):
     engine,sync,_,event,order = CASES[case][:5]
     v = variant(case)
     val = samples(0)[:32]
-    dls = DataLoaders(FastaiDataLoader(samples(rank, case), bs=MICRO_BS, device='cpu'), FastaiDataLoader(val, bs=32, device='cpu'), device='cpu')
-    model = nn.parallel.DistributedDataParallel(digits_mlp(seed=0)) if engine == 'ddp' else shard_model(digits_mlp(seed=0), engine)
+    dls = DataLoaders(
+        FastaiDataLoader(samples(rank, case), bs=MICRO_BS, device='cpu'),
+        FastaiDataLoader(val, bs=32, device='cpu'),
+        device='cpu',
+    )
+    model = (
+        nn.parallel.DistributedDataParallel(digits_mlp(seed=0))
+        if engine == 'ddp'
+        else shard_model(digits_mlp(seed=0), engine)
+    )
     cb = GradientAccumulation(ACCUM_BS, grad_sync=sync)
     extra = ([L2Term(v['l2'])] if 'l2' in v else []) + ([LossGuard()] if 'nan' in v else [])
     lf = loss_func(case)
     split = dict(splitter=lambda m: [list(m.parameters()), [lf.t]]) if v.get('temp') else {}
-    learn = Learner(dls, model, loss_func=lf, opt_func=SGD, lr=lr(case), cbs=[Float64SmoothLoss(), cb, Cancel(cancelled(case, rank), event, order), *extra], **split)
+    learn = Learner(
+        dls,
+        model,
+        loss_func=lf,
+        opt_func=SGD,
+        lr=lr(case),
+        cbs=[Float64SmoothLoss(), cb, Cancel(cancelled(case, rank), event, order), *extra],
+        **split,
+    )
     from fsdp_worker import CollectiveCounter
     c0 = COUNTER.snapshot()
     t,error = time.perf_counter(),None
@@ -123,7 +150,8 @@ def run(case:str, out:str, rank:int):
 def main(out:str, cases:list[str]):
     global COUNTER
     from fsdp_worker import CollectiveCounter
-    COUNTER = CollectiveCounter().install() # the library's own collectives (its direct caller is a fastxtend_accum module), per case
+    # the library's own collectives (its direct caller is a fastxtend_accum module), per case
+    COUNTER = CollectiveCounter().install()
     torch.set_num_threads(1)
     from datetime import timedelta
     dist.init_process_group('gloo', timeout=timedelta(seconds=PG_TIMEOUT))

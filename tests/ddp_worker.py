@@ -4,6 +4,7 @@
 Each case trains with `GradientAccumulation` under DDP, counts the gradient all-reduces with a DDP communication hook,
 and writes what the test compares to one process training on the same global batches: `OUT_DIR/<case>-rank<r>.pt`.
 The helpers here (fastai's distributed training on CPU, the all-reduce counter) are shared with `bench/distributed.py`."""
+
 import os, sys
 import torch, torch.nn as nn, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -29,11 +30,16 @@ def fastai_distributed():
         dist.broadcast(t, rank)
         return t.cpu().tolist()
     fd.DistributedDL._broadcast = _broadcast
-    # fastai's loaders start `defaults.cpus` workers (2 here) by fork, from a process whose gloo and queue-feeder threads
-    # run: now and then a worker is born holding a lock one of them held and never delivers a batch. Its process waits on
-    # the loader forever and the peer times out in a collective (1 launch in about 25 on this machine; every thread's stack,
-    # printed on SIGTERM, shows it in `DataLoader.__next__`). Not the library's to fix; a forkserver would need picklable
-    # loaders (the tests' `TrainingRecord` is not). The workers' loaders load in the process: fastai's defaults otherwise.
+    # fastai's loaders start `defaults.cpus` workers (2 here) by fork, from a process whose gloo and queue-feeder
+    # threads
+    # run: now and then a worker is born holding a lock one of them held and never delivers a batch. Its process waits
+    # on
+    # the loader forever and the peer times out in a collective (1 launch in about 25 on this machine; every thread's
+    # stack,
+    # printed on SIGTERM, shows it in `DataLoader.__next__`). Not the library's to fix; a forkserver would need
+    # picklable
+    # loaders (the tests' `TrainingRecord` is not). The workers' loaders load in the process: fastai's defaults
+    # otherwise.
     from fastai.torch_core import defaults
     defaults.cpus = 0
     return fd,f'accelerate {accelerate.__version__}'
@@ -78,8 +84,12 @@ CLASS_WEIGHTS = torch.linspace(0.2, 2., 10, dtype=torch.float64)
 def digits_learner_on(trn, val, bs, cbs=(), drop_last=False, loss_func=None):
     "A float64 digits `Learner` over the sample lists `trn` and `val`, with the weights of `digits_mlp(seed=0)`"
     from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
-    dls = DataLoaders(FastaiDataLoader(trn, bs=bs, drop_last=drop_last, device='cpu'), FastaiDataLoader(val, bs=64, device='cpu'),
-                      device='cpu')
+
+    dls = DataLoaders(
+        FastaiDataLoader(trn, bs=bs, drop_last=drop_last, device='cpu'),
+        FastaiDataLoader(val, bs=64, device='cpu'),
+        device='cpu',
+    )
     return Learner(dls, digits_mlp(seed=0), loss_func=loss_func or nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1,
                    cbs=[Float64SmoothLoss()] + list(cbs))
 
@@ -111,6 +121,7 @@ class Unmeasurable(list):
 
 class Drifting:
     "A batch sampler of 128 samples whose `len` is 8; from its 2nd iteration on, with `drift`, sizes [8]*7+[72] instead of [16]*8"
+
     calls = 0 # shared by every copy: a copy read ahead cannot tell what the next real iteration gives
     def __init__(self, start, drift): self.start,self.drift = start,drift
     def __len__(self): return 8
@@ -121,6 +132,7 @@ class Drifting:
 
 class Resizing(FastaiDataLoader):
     "A fastai loader whose sizes are known ahead from its `bs` and length, but which yields micro-batches of `sizes` instead"
+
     sizes = None
     def chunkify(self, b):
         b,ends = list(b),[sum(self.sizes[:k+1]) for k in range(len(self.sizes))]
@@ -133,21 +145,41 @@ def certain_drift_learner(rank, cbs):
     tdl = Resizing(trn[128*rank:128*(rank+1)], bs=MICRO_BS, device='cpu')
     tdl.sizes = BUCKETS[rank]
     dls = DataLoaders(tdl, FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
-    return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss()] + list(cbs))
+    return Learner(
+        dls,
+        digits_mlp(seed=0),
+        loss_func=nn.CrossEntropyLoss(),
+        opt_func=SGD,
+        lr=0.1,
+        cbs=[Float64SmoothLoss()] + list(cbs),
+    )
+
 
 def buckets_learner(rank, cbs, unsized=False, drift=False):
     from fastai.data.core import DataLoaders
     trn,val = digits_split()
     bs = bucket_batches(rank)
-    tdl = torch.utils.data.DataLoader(trn, batch_sampler=Drifting(128*rank, rank == 1) if drift else Unmeasurable(bs) if unsized else bs)
+    tdl = torch.utils.data.DataLoader(
+        trn, batch_sampler=Drifting(128 * rank, rank == 1) if drift else Unmeasurable(bs) if unsized else bs
+    )
     dls = DataLoaders(tdl, FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
     from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
-    return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss()] + list(cbs))
+
+    return Learner(
+        dls,
+        digits_mlp(seed=0),
+        loss_func=nn.CrossEntropyLoss(),
+        opt_func=SGD,
+        lr=0.1,
+        cbs=[Float64SmoothLoss()] + list(cbs),
+    )
+
 
 # fastai's defaults under `distrib_ctx`: `DataLoaders.from_dsets` (shuffled, dropping the short last batch), Adam and
 # `fit_one_cycle`, for each callback; `test_distributed.twin` builds one process on the same global windows
 ONE_CYCLE = dict(n_epoch=3, lr_max=1e-2)
-SCHED = (32, 96) # GradientAccumulationSchedule's window per process, from 32 to 96 samples over the first half of training
+# GradientAccumulationSchedule's window per process, from 32 to 96 samples over the first half of training
+SCHED = (32, 96)
 
 def make_callback(kind:str, world:int=1):
     "A fresh callback of `kind` ('ga', 'gas', 'micro') with windows `world` times those of one process of the runs here"
@@ -189,9 +221,14 @@ def run_default(case, out, rank):
         with learn.distrib_ctx(cpu=True): one_cycle(learn)
     torch.save(fit_recorded(learn, fit, cb), os.path.join(out, f'{case}-rank{rank}.pt'))
 
-# PyTorch's `DistributedSampler` on 1,499 samples (uneven: padded to 750 per process, or cut to 749) under a hand-built DDP
+# PyTorch's `DistributedSampler` on 1,499 samples (uneven: padded to 750 per process, or cut to 749) under a hand-built
+# DDP
 SAMPLER_N = 1499
-SAMPLERS = {'sampler_pad': dict(sampler_drop=False, loader_drop=True), 'sampler_drop': dict(sampler_drop=True, loader_drop=False)}
+SAMPLERS = {
+    'sampler_pad': dict(sampler_drop=False, loader_drop=True),
+    'sampler_drop': dict(sampler_drop=True, loader_drop=False),
+}
+
 
 class SetEpoch(Callback):
     "What a PyTorch loop does with a `DistributedSampler`: `set_epoch`, so that each epoch shuffles anew"
@@ -201,7 +238,9 @@ def sampler_dls(rank:int, sampler_drop:bool, loader_drop:bool, world:int=2):
     "A PyTorch training loader of micro-batches of 16 over `SAMPLER_N` digits, with this process's `DistributedSampler`"
     from fastxtend_accum.test_utils import digits_default_dls
     dls = digits_default_dls(MICRO_BS, n_train=SAMPLER_N)
-    s = torch.utils.data.DistributedSampler(dls.train.dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=sampler_drop)
+    s = torch.utils.data.DistributedSampler(
+        dls.train.dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=sampler_drop
+    )
     tdl = torch.utils.data.DataLoader(dls.train.dataset, batch_size=MICRO_BS, sampler=s, drop_last=loader_drop)
     return DataLoaders(tdl, dls.valid, device='cpu')
 
@@ -210,12 +249,27 @@ def run_sampler(case, out, rank):
     learn = default_learner(MICRO_BS, [cb, SetEpoch(), DDPWrap()], dls=sampler_dls(rank, **SAMPLERS[case]))
     torch.save(fit_recorded(learn, one_cycle, cb), os.path.join(out, f'{case}-rank{rank}.pt'))
 
-# per-process loaders of 192 and 180 samples (no shuffle) and `drop_last=True`: process 0's last window is full (64), process 1's
-# short (52): their plans differ, the global window of 116 is short, and both processes drop it, as the large batch would
+# per-process loaders of 192 and 180 samples (no shuffle) and `drop_last=True`: process 0's last window is full (64),
+# process 1's
+# short (52): their plans differ, the global window of 116 is short, and both processes drop it, as the large batch
+# would
 UNEVEN_DROP = dict(n=384, uneven=12)
 
-CASES = ['samples', 'tokens', 'weighted', 'uneven', 'tokens_local', 'uneven_local', 'mismatch', 'buckets', 'buckets_unsized', 'drift',
-         'uneven_drop', *DEFAULTS, *SAMPLERS]
+CASES = [
+    'samples',
+    'tokens',
+    'weighted',
+    'uneven',
+    'tokens_local',
+    'uneven_local',
+    'mismatch',
+    'buckets',
+    'buckets_unsized',
+    'drift',
+    'uneven_drop',
+    *DEFAULTS,
+    *SAMPLERS,
+]
 
 def run_guest(case, out, rank):
     "The 'samples' case with a Learner subclass whose `_step` (or, under `MicroBatching`, `_do_one_batch`) is its own, or under a stand-in library that wraps `Learner._call_one`"
@@ -224,7 +278,7 @@ def run_guest(case, out, rank):
     trn,val = digits_split()
     learn,calls = digits_learner_on(trn, val, MICRO_BS, cbs=[ga, count]),[0]
     if case == 'guest_lr_find': # fit, lr_find, fit: fastai's LRFinder saves on process 0 only, and loads with a barrier
-        import fastai.callback.schedule # `Learner.lr_find`
+        import fastai.callback.schedule  # noqa: F401 `Learner.lr_find`
         learn.path = Path(out)/'lr_find'
         with learn.no_logging(), learn.no_bar(), learn.distrib_ctx(cpu=True):
             learn.fit(1)
@@ -240,7 +294,8 @@ def run_guest(case, out, rank):
             def _step(self): calls[0] += 1; super()._step()
         learn.__class__ = CountsSteps
         patched = None
-    elif case == 'guest_mb_subclass': # `MicroBatching` on batches that are the 'samples' case's windows (64, 64, 22 per process)
+    # `MicroBatching` on batches that are the 'samples' case's windows (64, 64, 22 per process)
+    elif case == 'guest_mb_subclass':
         from fastxtend_accum.callback.microbatch import MicroBatching
         ga = MicroBatching(MICRO_BS, normalize_by='samples', verbose=False)
         learn = digits_learner_on(trn, val, ACCUM_BS, cbs=[ga, count])
@@ -271,11 +326,19 @@ def run_case(case, out, rank):
     from fastxtend_accum.normalize import TokenCount
     count,base = CountAllReduce(),case.removesuffix('_local')
     GA = local_counts_cls() if case.endswith('_local') else GradientAccumulation
-    # 'samples' counts samples as it says; the other digits cases run with the default, normalize_by='auto', which counts the
+    # 'samples' counts samples as it says; the other digits cases run with the default, normalize_by='auto', which
+    # counts the
     # targets of their CrossEntropyLoss (the class weights' sum for 'weighted'), on the device
-    kw = dict(normalize_by=TokenCount()) if base == 'tokens' else dict(normalize_by='samples') if base == 'samples' else {}
+    kw = (
+        dict(normalize_by=TokenCount())
+        if base == 'tokens'
+        else dict(normalize_by='samples')
+        if base == 'samples'
+        else {}
+    )
     ga = GA(TEXT_ACCUM_BS if base == 'tokens' else ACCUM_BS, **kw)
-    if base in ('samples', 'weighted'): # fastai's DistributedTrainer splits the 300 samples in halves: windows of 64, 64, 22 per process
+    # fastai's DistributedTrainer splits the 300 samples in halves: windows of 64, 64, 22 per process
+    if base in ('samples', 'weighted'):
         trn,val = digits_split()
         lf = nn.CrossEntropyLoss(weight=CLASS_WEIGHTS) if base == 'weighted' else None
         learn = digits_learner_on(trn, val, MICRO_BS, cbs=[ga, count], loss_func=lf)
@@ -295,17 +358,27 @@ def run_case(case, out, rank):
         with warnings.catch_warnings(record=True) as w, learn.no_logging(), learn.no_bar():
             warnings.simplefilter('always')
             learn.fit(N_EPOCH)
-        return torch.save(dict(params=[p.detach().clone() for p in learn.model.parameters()], n_steps=ga.n_steps,
-                               n_allreduce=count.n, warnings=[str(o.message) for o in w]), os.path.join(out, f'{case}-rank{rank}.pt'))
-    elif base in ('buckets', 'buckets_unsized'): # windows close where the global count reaches 2*64: micro-batches 0-5, then 6-7
+        return torch.save(
+            dict(
+                params=[p.detach().clone() for p in learn.model.parameters()],
+                n_steps=ga.n_steps,
+                n_allreduce=count.n,
+                warnings=[str(o.message) for o in w],
+            ),
+            os.path.join(out, f'{case}-rank{rank}.pt'),
+        )
+    # windows close where the global count reaches 2*64: micro-batches 0-5, then 6-7
+    elif base in ('buckets', 'buckets_unsized'):
         learn = buckets_learner(rank, [ga, DDPWrap(), count], unsized=base == 'buckets_unsized')
-    elif base == 'drift': # both plans say [16]*8; process 1's loader then yields [8]*7+[72]: both processes raise, none hangs
+    # both plans say [16]*8; process 1's loader then yields [8]*7+[72]: both processes raise, none hangs
+    elif base == 'drift':
         learn = buckets_learner(rank, [ga, DDPWrap(), count], drift=True)
         with learn.no_logging(), learn.no_bar():
             try: learn.fit(N_EPOCH); error = None
             except RuntimeError as e: error = str(e)
         return torch.save(dict(error=error, n_steps=ga.n_steps), os.path.join(out, f'{case}-rank{rank}.pt'))
-    elif base == 'certain_drift': # not in CASES: process 1 raises, process 0 is left in a collective (the launcher ends it)
+    # not in CASES: process 1 raises, process 0 is left in a collective (the launcher ends it)
+    elif base == 'certain_drift':
         learn = certain_drift_learner(rank, [ga, DDPWrap()])
         with learn.no_logging(), learn.no_bar(): learn.fit(N_EPOCH)
         return
@@ -321,13 +394,21 @@ def run_case(case, out, rank):
         if base in ('uneven', 'buckets', 'buckets_unsized'): learn.fit(N_EPOCH)
         else:
             with learn.distrib_ctx(cpu=True): learn.fit(N_EPOCH)
-    torch.save(dict(params=[p.detach().clone() for p in learn.model.parameters()], n_allreduce=count.n, n_syncs=count.n_syncs,
-                    n_steps=ga.n_steps, losses=[float(o) for o in learn.recorder.losses],
-                    plan=None if ga.plan is None else ga.plan.starts),
-               os.path.join(out, f'{case}-rank{rank}.pt'))
+    torch.save(
+        dict(
+            params=[p.detach().clone() for p in learn.model.parameters()],
+            n_allreduce=count.n,
+            n_syncs=count.n_syncs,
+            n_steps=ga.n_steps,
+            losses=[float(o) for o in learn.recorder.losses],
+            plan=None if ga.plan is None else ga.plan.starts,
+        ),
+        os.path.join(out, f'{case}-rank{rank}.pt'),
+    )
 
 def main(out, cases):
-    import faulthandler, signal # a launcher stopping a stuck process (SIGTERM): every thread's stack in the test's output
+    # a launcher stopping a stuck process (SIGTERM): every thread's stack in the test's output
+    import faulthandler, signal
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     torch.set_num_threads(1)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

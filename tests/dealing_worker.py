@@ -26,17 +26,24 @@ import ddp_worker as W
 
 N_EPOCH,LR,MICRO_BS,ACCUM_BS = 2,0.1,8,64
 GAS_BS = [32, 128] # the `gas` case's window size in epochs 0 and 1 (`start=1, finish=1`)
-N = {'gas': 1024, 'gas_large': 1024, 'sampler': 1023, 'sampler_contiguous': 1023, 'sampler_large': 1023} # training samples; 1,000 in the others
+# training samples; 1,000 in the others
+N = {'gas': 1024, 'gas_large': 1024, 'sampler': 1023, 'sampler_contiguous': 1023, 'sampler_large': 1023}
 
 class Steps(Callback):
     "Each optimizer step's samples (over all processes) and lr, by epoch; each epoch's training loader (its sampler's class)"
+
     order = 7
     def before_fit(self): self.taken,self.loaders = [],[]
-    def before_train(self): self.loaders.append((type(getattr(self.dl, 'sampler', None)).__name__, id(self.dl))) # after the dealing
+
+    def before_train(self):
+        self.loaders.append((type(getattr(self.dl, 'sampler', None)).__name__, id(self.dl)))  # after the dealing
+
     def before_step(self):
         import fastxtend_accum
-        if not os.path.exists(os.path.join(os.path.dirname(fastxtend_accum.__file__), 'patches.py')): # a library before the
-            return self.taken.append((self.epoch, find_bs(self.yb), float(self.opt.hypers[-1]['lr']))) # redesign: this process's batch
+        # a library before the
+        if not os.path.exists(os.path.join(os.path.dirname(fastxtend_accum.__file__), 'patches.py')):
+            # redesign: this process's batch
+            return self.taken.append((self.epoch, find_bs(self.yb), float(self.opt.hypers[-1]['lr'])))
         from fastxtend_accum.patches import accum_callback
         cb = accum_callback(self.learn)
         n = find_bs(self.yb) if cb is None else cb.windows.sync.sum(cb.windows.window.samples).item()
@@ -44,6 +51,7 @@ class Steps(Callback):
 
 class EpochBs(Callback):
     "No accumulation: each epoch's batches hold the samples the schedule's windows hold in that epoch (the loader's `bs`)"
+
     def __init__(self, sizes): self.sizes = sizes
     def before_epoch(self): self.dls.train.bs = self.sizes[self.epoch]
 
@@ -86,13 +94,22 @@ def learner(case:str, world:int=1, rank:int=0):
 
 def run_case(case:str, out:str, world:int, rank:int):
     learn = learner(case, world, rank)
-    ctx = contextlib.nullcontext() if case.startswith('sampler') else learn.distrib_ctx(cpu=True) # DDPWrap: the user's DDP
+    # DDPWrap: the user's DDP
+    ctx = contextlib.nullcontext() if case.startswith('sampler') else learn.distrib_ctx(cpu=True)
     with ctx, learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(N_EPOCH, LR)
     if rank == 0:
         seen = learn.steps.loaders
-        torch.save(dict(steps=learn.steps.taken, loaders=[n for n,_ in seen], one_loader=len({i for _,i in seen}) == 1,
-                        losses=[float(o) for o in learn.recorder.losses],
-                        params=[p.detach().clone() for p in learn.model.parameters()]), os.path.join(out, f'{case}-w{world}.pt'))
+        torch.save(
+            dict(
+                steps=learn.steps.taken,
+                loaders=[n for n, _ in seen],
+                one_loader=len({i for _, i in seen}) == 1,
+                losses=[float(o) for o in learn.recorder.losses],
+                params=[p.detach().clone() for p in learn.model.parameters()],
+            ),
+            os.path.join(out, f'{case}-w{world}.pt'),
+        )
+
 
 def main(out:str, cases:list[str]):
     torch.set_num_threads(1)
@@ -103,7 +120,8 @@ def main(out:str, cases:list[str]):
         dist.init_process_group('gloo', timeout=timedelta(seconds=W.PG_TIMEOUT))
     import fastxtend_accum.all # noqa: F401
     for case in cases: run_case(case, out, world, rank)
-    if world > 1: dist.barrier(); dist.destroy_process_group() # gloo torn down before exit: else its threads can abort it
+    # gloo torn down before exit: else its threads can abort it
+    if world > 1: dist.barrier(); dist.destroy_process_group()
 
 if __name__ == '__main__':
     main(sys.argv[1], sys.argv[2].split(','))

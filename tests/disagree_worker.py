@@ -30,8 +30,19 @@ def main(out:str, case:str):
     set_seed(0)
     dls = DataLoaders.from_dsets(trn, val, bs=8, device='cpu', num_workers=0)
     steps = Steps()
-    learn = Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=Adam, lr=1e-2, path=Path(out),
-                    cbs=[Float64SmoothLoss(), GradientAccumulation(128 if case == 'accum_bs' and rank == 1 else 64, global_bs=True), steps])
+    learn = Learner(
+        dls,
+        digits_mlp(seed=0),
+        loss_func=nn.CrossEntropyLoss(),
+        opt_func=Adam,
+        lr=1e-2,
+        path=Path(out),
+        cbs=[
+            Float64SmoothLoss(),
+            GradientAccumulation(128 if case == 'accum_bs' and rank == 1 else 64, global_bs=True),
+            steps,
+        ],
+    )
     res = dict(error=None)
     try:
         with learn.distrib_ctx(cpu=True), learn.no_logging(), learn.no_bar(): learn.fit(1, 1e-2)

@@ -35,8 +35,11 @@ class Fail(Callback):
             elif self.rank != -1 or dist.get_rank() == 1 or not self.delay0:
                 with open(self.out + 'failed_at', 'w') as f: f.write(repr(time.time()))
             if KILLED: os.kill(os.getpid(), signal.SIGKILL) # `killed`: gone without a word (kill -9, the OOM killer)
-            if INTERRUPT: return # `interrupt`: the test sends Ctrl-C (SIGINT to torchrun's process group) from here on
-            raise ValueError(f'a bad batch at micro-batch {self.at} on process {dist.get_rank() if self.rank == -1 else self.rank}')
+            if INTERRUPT: return  # `interrupt`: the test sends Ctrl-C (SIGINT to torchrun's process group) from here on
+            raise ValueError(
+                f'a bad batch at micro-batch {self.at} on process {dist.get_rank() if self.rank == -1 else self.rank}'
+            )
+
 
 def write(out, rank, **res):
     with open(f'{out}rank{rank}.json', 'w') as f: json.dump(res, f)
@@ -51,7 +54,9 @@ def main(out, case, fail_rank):
     dist.init_process_group('gloo', timeout=timedelta(seconds=W.PG_TIMEOUT))
     import fastxtend_accum.all # noqa: F401 (the library's `Learner.fit`)
     if fail_rank == -1 or case in ('apart', 'sharded'):
-        fit_and_wait(out, 'sharded' if case == 'sharded' else 'all', -1, prefix='all-', delay0=APART_S if case == 'apart' else 0)
+        fit_and_wait(
+            out, 'sharded' if case == 'sharded' else 'all', -1, prefix='all-', delay0=APART_S if case == 'apart' else 0
+        )
         fail_rank,case = 1,'caught' if case == 'apart' else case
     fit_and_wait(out, case, fail_rank)
 
@@ -59,15 +64,31 @@ def fit_and_wait(out, case, fail_rank, prefix='', delay0=0):
     rank = dist.get_rank()
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
     from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss
-    learn = Learner(digits_default_dls(16), digits_mlp(), path=out, loss_func=nn.CrossEntropyLoss(), opt_func=SGD,
-                    cbs=[Float64SmoothLoss(), GradientAccumulation(64, global_bs=True), Fail(fail_rank, 5, os.path.join(out, prefix), delay0)])
+    learn = Learner(
+        digits_default_dls(16),
+        digits_mlp(),
+        path=out,
+        loss_func=nn.CrossEntropyLoss(),
+        opt_func=SGD,
+        cbs=[
+            Float64SmoothLoss(),
+            GradientAccumulation(64, global_bs=True),
+            Fail(fail_rank, 5, os.path.join(out, prefix), delay0),
+        ],
+    )
     try:
         ctx = learn.sharded_ctx() if case in ('sharded', 'sharded-lives') else learn.distrib_ctx(cpu=True)
         with ctx, learn.no_logging(), learn.no_bar(): learn.fit(200 if INTERRUPT else 2, 0.1)
         write(out + '/' + prefix, rank, t=time.time(), error=None)
     except BaseException as e:
-        res = dict(t=time.time(), error=type(e).__name__, message=str(e), cause=None if e.__cause__ is None else f'{type(e.__cause__).__name__}: {e.__cause__}')
-        if case == 'sharded': # the model the failed fit left, saved by every process: gathered whole, or refused with a reason
+        res = dict(
+            t=time.time(),
+            error=type(e).__name__,
+            message=str(e),
+            cause=None if e.__cause__ is None else f'{type(e.__cause__).__name__}: {e.__cause__}',
+        )
+        # the model the failed fit left, saved by every process: gathered whole, or refused with a reason
+        if case == 'sharded':
             res['model'] = type(learn.model).__name__
             try:
                 f = learn.save(f'{prefix}model', with_opt=False)
@@ -76,7 +97,8 @@ def fit_and_wait(out, case, fail_rank, prefix='', delay0=0):
             except Exception as e2: res['save'] = f'{type(e2).__name__}: {e2}'
         write(out + '/' + prefix, rank, **res)
         if fail_rank not in (-1, rank) or case in ('uncaught', 'interrupt'): raise
-    if case in ('lives', 'sharded-lives'): # a notebook kernel, a script that logs the error and goes on: the process lives, its model too
+    # a notebook kernel, a script that logs the error and goes on: the process lives, its model too
+    if case in ('lives', 'sharded-lives'):
         time.sleep(LIVE_S); return
     # the failing process's script caught its error, and waits for the others
     t0 = time.time()

@@ -2,7 +2,7 @@
 default loaders, micro-batches of 16. Run by `test_fastxtend.py` in a Python where `fastxtend.callback.gradaccum` imports
 (`.venv-bench`, or any Python with `pip install --no-deps fastxtend==0.1.7`); prints one JSON object:
 `python tests/fastxtend_parity.py` (with fastxtend_accum on PYTHONPATH)."""
-import json, math, sys, warnings
+import json, warnings
 from fastai.basics import *
 from fastai.callback.schedule import SchedCos
 from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss, max_param_diff
@@ -20,8 +20,13 @@ class Windows(Callback):
 
 def script(GradientAccumulation, n_train, one_cycle=False, n_epoch=2):
     "The user's script: only the import differs"
-    learn = Learner(digits_default_dls(16, n_train=n_train), digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD,
-                    cbs=[GradientAccumulation(64), Windows(), Float64SmoothLoss()])
+    learn = Learner(
+        digits_default_dls(16, n_train=n_train),
+        digits_mlp(),
+        loss_func=nn.CrossEntropyLoss(),
+        opt_func=SGD,
+        cbs=[GradientAccumulation(64), Windows(), Float64SmoothLoss()],
+    )
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
         warnings.simplefilter('ignore')
         if one_cycle: learn.fit_one_cycle(n_epoch, 0.1)
@@ -49,15 +54,28 @@ if __name__ == '__main__':
     # 1500 samples: 93 micro-batches, 23 windows of 64 and 16 left
     for n in (1264, 1500): res[f'ga_{n}'] = side_by_side(n)
     res['ga_1264_one_cycle'] = side_by_side(1264, one_cycle=True)
-    fx,acc = schedule_script(fastxtend_ga.GradientAccumulationSchedule),schedule_script(accum_sched.GradientAccumulationSchedule)
+    fx, acc = (
+        schedule_script(fastxtend_ga.GradientAccumulationSchedule),
+        schedule_script(accum_sched.GradientAccumulationSchedule),
+    )
     n_iter,sched = len(acc.dls.train),SchedCos(64, 224)
-    def annealer(sizes): # the annealer's value where each window opened: pct_train at its first micro-batch, over finish=0.5
+
+    def annealer(
+        sizes,
+    ):  # the annealer's value where each window opened: pct_train at its first micro-batch, over finish=0.5
         out,i = [],0
-        for s in sizes: out.append(64. if i == 0 else (224. if i/n_iter >= 0.5 else float(sched(i/n_iter/0.5)))); i += s//32
+        for s in sizes:
+            out.append(64.0 if i == 0 else (224.0 if i / n_iter >= 0.5 else float(sched(i / n_iter / 0.5))))
+            i += s // 32
         return out
-    res['schedule'] = dict(fastxtend=fx.windows.sizes, fastxtend_accum=acc.windows.sizes,
-                           fastxtend_annealer=annealer(fx.windows.sizes), fastxtend_accum_annealer=annealer(acc.windows.sizes),
-                           fastxtend_accum_bs=fx.gradient_accumulation_schedule.accum_bs, accum_bs=acc.gradient_accumulation_schedule.accum_bs)
+    res['schedule'] = dict(
+        fastxtend=fx.windows.sizes,
+        fastxtend_accum=acc.windows.sizes,
+        fastxtend_annealer=annealer(fx.windows.sizes),
+        fastxtend_accum_annealer=annealer(acc.windows.sizes),
+        fastxtend_accum_bs=fx.gradient_accumulation_schedule.accum_bs,
+        accum_bs=acc.gradient_accumulation_schedule.accum_bs,
+    )
     # both libraries' callbacks in one fit: this library's check at `before_fit` names them
     learn = Learner(digits_default_dls(16, n_train=256), digits_mlp(), loss_func=nn.CrossEntropyLoss(),
                     cbs=[fastxtend_ga.GradientAccumulation(64), accum_ga.GradientAccumulation(64), Float64SmoothLoss()])

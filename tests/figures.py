@@ -1,6 +1,7 @@
 """Print the figures behind the workflow tests (issue 9), measured on the runs `test_workflows.py` makes: the largest
 parameter difference from the large batch for every fit method, `fine_tune` and `lr_find` on real data. Not a test (pytest
 does not collect it): `PYTHONPATH=. .venv/bin/python tests/figures.py` from the repository's root."""
+
 import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_workflows import *
@@ -18,7 +19,9 @@ def main():
     for k,v in diffs.items(): print(f'{k:<26} max |param diff| vs the large batch {v:.1e}')
     for cb in ('accum', 'micro'):
         large = lm_learn(64); quiet(large, lambda l: l.fine_tune(1, 1e-2, freeze_epochs=1))
-        other = lm_learn(16, GradientAccumulation(64)) if cb == 'accum' else lm_learn(64, MicroBatching(16, verbose=False))
+        other = (
+            lm_learn(16, GradientAccumulation(64)) if cb == 'accum' else lm_learn(64, MicroBatching(16, verbose=False))
+        )
         quiet(other, lambda l: l.fine_tune(1, 1e-2, freeze_epochs=1))
         print(f'AWD_LSTM fine_tune, {cb:<5}   max |param diff| vs the large batch {max_param_diff(large, other):.1e}')
     for window in (2, 8):
@@ -26,9 +29,11 @@ def main():
             large,accum = digits_learn(16*window),digits_learn(16, GradientAccumulation(16*window))
             rl,ra = lr_find(large, num_it),lr_find(accum, num_it)
             d = loss_diff(accum, large)
-            print(f'lr_find digits, window {window}, num_it {num_it:>3}: {len(accum.recorder.lrs)} records (large batch '
-                  f'{len(large.recorder.lrs)}), loss diff {d[:-5].max():.1e} (last 5 points {d[-5:].max():.1e}), '
-                  f'suggestions equal: {list(ra) == list(rl)}, valley {ra.valley:.3e}')
+            print(
+                f'lr_find digits, window {window}, num_it {num_it:>3}: {len(accum.recorder.lrs)} records (large batch '
+                f'{len(large.recorder.lrs)}), loss diff {d[:-5].max():.1e} (last 5 points {d[-5:].max():.1e}), '
+                f'suggestions equal: {list(ra) == list(rl)}, valley {ra.valley:.3e}'
+            )
     for cb,make in [('accum', lambda: lm_learn(16, GradientAccumulation(64))),
                     ('schedule', lambda: lm_learn(16, GradientAccumulationSchedule(64, 128, finish=0.5))),
                     ('micro', lambda: lm_learn(64, MicroBatching(16, verbose=False)))]:

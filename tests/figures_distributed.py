@@ -9,6 +9,7 @@ collect it): `PYTHONPATH=. .venv-nbdev/bin/python tests/figures_distributed.py` 
 picks some of: torchrun, accelerate, notebook, unknown, resume (and `--cases` the torchrun cases). The figures before a
 change: the same command with PYTHONPATH at an older library, e.g. `git archive <commit> fastxtend_accum | tar -x -C DIR`
 with this checkout's `fastxtend_accum/test_utils.py` copied in (the helpers the comparison uses)."""
+
 import argparse, os, sys, tempfile, subprocess
 from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -21,11 +22,16 @@ def show(how, case, res):
     if case == 'uneven_drop':
         ref = uneven_drop_reference()
         d = max_diff(r0['params'], [p.detach() for p in ref.model.parameters()])
-        return print(f'{how:<17} {case:<14} {r0["n_steps"]} steps (one process on the global batches: {len(ref.recorder.losses)}); '
-                     f'max |param diff| {d:.2g}; "stopped mid-window" warnings on rank 0: {n_mid}')
+        return print(
+            f'{how:<17} {case:<14} {r0["n_steps"]} steps (one process on the global batches: {len(ref.recorder.losses)}); '
+            f'max |param diff| {d:.2g}; "stopped mid-window" warnings on rank 0: {n_mid}'
+        )
     lr,mom,d,ref = compare_with_twin(r0, r1, case)
-    print(f'{how:<17} {case:<14} {r0["n_steps"]} steps (one process on the global windows: {ref["n_steps"]}); max |lr diff| '
-          f'{lr:.2g} (peak lr 1e-2), max |mom diff| {mom:.2g}, max |param diff| {d:.2g}; "stopped mid-window" warnings on rank 0: {n_mid}')
+    print(
+        f'{how:<17} {case:<14} {r0["n_steps"]} steps (one process on the global windows: {ref["n_steps"]}); max |lr diff| '
+        f'{lr:.2g} (peak lr 1e-2), max |mom diff| {mom:.2g}, max |param diff| {d:.2g}; "stopped mid-window" warnings on rank 0: {n_mid}'
+    )
+
 
 def failed(how, case, err):
     lines = [l for l in err.splitlines() if 'Error' in l and 'ChildFailedError' not in l and 'Traceback' not in l]
@@ -34,8 +40,14 @@ def failed(how, case, err):
 def launched(how, cmd_of, cases, env=ENV):
     for case in cases:
         out = Path(tempfile.mkdtemp())
-        p = subprocess.run(cmd_of(out, case), capture_output=True, text=True, timeout=TIMEOUT, env=dict(env, HF_HOME=str(out/'hf')),
-                           cwd=os.path.dirname(HERE))
+        p = subprocess.run(
+            cmd_of(out, case),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            env=dict(env, HF_HOME=str(out / 'hf')),
+            cwd=os.path.dirname(HERE),
+        )
         if p.returncode: failed(how, case, p.stdout + p.stderr)
         else: show(how, case, [torch.load(out/f'{case}-rank{r}.pt') for r in range(2)])
 
@@ -44,16 +56,33 @@ def torchrun(out, case):
             f'--master_port={free_port()}', WORKER, str(out), case]
 
 def accelerate(out, case):
-    return [sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes=2', '--num_machines=1',
-            '--mixed_precision=no', '--dynamo_backend=no', '--main_process_ip=127.0.0.1', f'--main_process_port={free_port()}',
-            WORKER, str(out), case]
+    return [
+        sys.executable,
+        '-m',
+        'accelerate.commands.launch',
+        '--multi_gpu',
+        '--num_processes=2',
+        '--num_machines=1',
+        '--mixed_precision=no',
+        '--dynamo_backend=no',
+        '--main_process_ip=127.0.0.1',
+        f'--main_process_port={free_port()}',
+        WORKER,
+        str(out),
+        case,
+    ]
 
 def notebook():
-    if _nbclient() is None: return print('notebook_launcher: nbclient/ipykernel are not installed in this environment (run it with .venv-nbdev)')
+    if _nbclient() is None:
+        return print(
+            'notebook_launcher: nbclient/ipykernel are not installed in this environment (run it with .venv-nbdev)'
+        )
     import nbclient, nbformat
     out = Path(tempfile.mkdtemp())
     nb = nbformat.read(os.path.join(HERE, 'notebook_launcher.ipynb'), as_version=4)
-    os.environ.update(FXA_OUT=str(out), FXA_PORT=str(free_port()), FXA_TESTS=HERE, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
+    os.environ.update(
+        FXA_OUT=str(out), FXA_PORT=str(free_port()), FXA_TESTS=HERE, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore'
+    )
     try: nbclient.NotebookClient(nb, timeout=TIMEOUT, startup_timeout=60, kernel_name='python3',
                                  resources={'metadata': {'path': os.path.dirname(HERE)}}).execute()
     except Exception as e: err = str(e)
@@ -68,15 +97,19 @@ def unknown():
     for kind in ('ga', 'gas'):
         expected,got = sizes_unknown_runs(kind)
         d = {hp: max(abs(a[hp]-b[hp]) for a,b in zip(got, expected)) for hp in ('lr', 'mom')}
-        print(f'sizes not known ahead, {kind:<3}: {len(got)} steps; max |lr diff| {d["lr"]:.2g} (peak lr 1e-2), max |mom diff| '
-              f"{d['mom']:.2g} from fastai's own hyper-parameters at each window's first micro-batch")
+        print(
+            f'sizes not known ahead, {kind:<3}: {len(got)} steps; max |lr diff| {d["lr"]:.2g} (peak lr 1e-2), max |mom diff| '
+            f"{d['mom']:.2g} from fastai's own hyper-parameters at each window's first micro-batch"
+        )
 
 def resume():
     from test_resume import resume_diffs, CALLBACKS, STOP, N_EPOCH
     for name in CALLBACKS:
         exact,off = resume_diffs(name, Path(tempfile.mkdtemp()))
-        print(f'resume, {name:<28}: fit_one_cycle({N_EPOCH}) resumed at epoch {STOP}: max |param diff| from the uninterrupted '
-              f"fit {exact:.2g} with the loader's shuffle state restored, {off:.2g} without")
+        print(
+            f'resume, {name:<28}: fit_one_cycle({N_EPOCH}) resumed at epoch {STOP}: max |param diff| from the uninterrupted '
+            f"fit {exact:.2g} with the loader's shuffle state restored, {off:.2g} without"
+        )
 
 if __name__ == '__main__':
     ap = argparse.ArgumentParser()

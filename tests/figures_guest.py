@@ -2,6 +2,7 @@
 tests/figures_guest.py`; an older checkout: `PYTHONPATH=<its folder>`): the fastai class attributes and module names that
 importing the library changes or adds, the takeovers it registers, the lines of the window engine and of each callback, and
 `GradientAccumulation`'s and `MicroBatching`'s methods and attributes."""
+
 import os, sys, warnings
 
 def snapshot():
@@ -38,9 +39,17 @@ if __name__ == '__main__':
     reg = getattr(P, 'TAKEOVERS', None) or getattr(P, 'REPLACED', {})
     print(f'registered takeovers (replacements before): {len(reg)}')
     lib = os.path.dirname(fastxtend_accum.__file__)
-    for f in ('window.py', 'plan.py', 'patches.py', 'callback/gradaccum.py', 'callback/microbatch.py', 'callback/schedule.py'):
+    for f in (
+        'window.py',
+        'plan.py',
+        'patches.py',
+        'callback/gradaccum.py',
+        'callback/microbatch.py',
+        'callback/schedule.py',
+    ):
         print(f'  {f}: {lines(os.path.join(lib, f))} lines of code')
-    # the window engine's jobs that each callback's module does itself (`issue 36`: 5 before the one engine, each in both):
+    # the window engine's jobs that each callback's module does itself (`issue 36`: 5 before the one engine, each in
+    # both):
     # a job is counted where both modules call its primitive
     jobs = {'weighted backward': '.weighted(', 'rho': '.ref = ', 'close over processes': 'window_totals(',
             'engine sync setup': 'window_sync(', 'BatchNorm check': 'batchnorm_message('}
@@ -48,7 +57,11 @@ if __name__ == '__main__':
     both = [j for j,k in jobs.items() if all(k in s for s in src.values())]
     print(f'window-engine jobs done in both callbacks: {len(both)}{": " if both else ""}{", ".join(both)}')
     from fastxtend_accum.test_utils import digits_learner
-    for cls,bs,cb in ((GradientAccumulation, 16, lambda: GradientAccumulation(64)), (MicroBatching, 64, lambda: MicroBatching(16, verbose=False))):
+
+    for cls, bs, cb in (
+        (GradientAccumulation, 16, lambda: GradientAccumulation(64)),
+        (MicroBatching, 64, lambda: MicroBatching(16, verbose=False)),
+    ):
         c = cb()
         learn = digits_learner(bs, cbs=c)
         with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():

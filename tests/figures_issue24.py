@@ -11,6 +11,7 @@ workers avoid importing). `--only` picks some of: dealing, resume, failfast, tie
   uninterrupted run: `ResumeCheckpoint` where the library has it, else fastai's recipe (`SaveModelCallback`, `start_epoch`);
 - failfast: `tests/failfast_worker.py caught 1` on 2 processes, a 60 s process-group timeout: when process 0 stops, and why;
 - tied: an MLP whose layers 0 and 2 share a weight, `learn.sharded_ctx(engine=...)` with the default policy, 2 processes."""
+
 import argparse, json, os, socket, subprocess, sys, tempfile, time
 from pathlib import Path
 HERE = Path(__file__).resolve().parent
@@ -22,7 +23,14 @@ def free_port():
 def launch(args, world, env=ENV, timeout=400, check=True):
     pre = [] if world == 1 else ['-m', 'torch.distributed.run', f'--nproc_per_node={world}', '--master_addr=127.0.0.1',
                                  f'--master_port={free_port()}']
-    p = subprocess.run([sys.executable, *pre, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE.parent)
+    p = subprocess.run(
+        [sys.executable, *pre, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=HERE.parent,
+    )
     if check and p.returncode: raise RuntimeError(p.stderr[-3000:])
     return p
 
@@ -34,8 +42,10 @@ def dealing(out):
     launch([HERE/'dealing_worker.py', out, 'ga'], 2)
     ref,r = torch.load(out/'large-w1.pt'),torch.load(out/'ga-w2.pt')
     lr = max(abs(a[2]-b[2]) for a,b in zip(r['steps'], ref['steps']))
-    print(f'dealing: GradientAccumulation(64, global_bs=True) on 2 processes vs one process with batches of 64: {len(r["steps"])} '
-          f'steps against {len(ref["steps"])}, max |lr diff| {lr:.2g}, max |param diff| {params_diff(r, ref):.3g}')
+    print(
+        f'dealing: GradientAccumulation(64, global_bs=True) on 2 processes vs one process with batches of 64: {len(r["steps"])} '
+        f'steps against {len(ref["steps"])}, max |lr diff| {lr:.2g}, max |param diff| {params_diff(r, ref):.3g}'
+    )
 
 def resume(out):
     import torch
@@ -48,15 +58,25 @@ def resume(out):
         tag = f'{a}to{b}'
         launch([HERE/'resume_worker.py', out, tag, cut], a)
         launch([HERE/'resume_worker.py', out, tag, res], b)
-        print(f'resume, {how}: cut after epoch 1 on {a} process(es), resumed on {b}: max |param diff| from the uninterrupted run '
-              f'{params_diff(torch.load(out/f"{tag}-{res}-w{b}.pt"), whole):.3g}')
+        print(
+            f'resume, {how}: cut after epoch 1 on {a} process(es), resumed on {b}: max |param diff| from the uninterrupted run '
+            f'{params_diff(torch.load(out / f"{tag}-{res}-w{b}.pt"), whole):.3g}'
+        )
 
 def failfast(out):
     t0 = time.time()
-    launch(['--monitor-interval=15', HERE/'failfast_worker.py', out, 'caught', 1], 2, env=dict(ENV, FXA_PG_TIMEOUT='60'), check=False)
+    launch(
+        ['--monitor-interval=15', HERE / 'failfast_worker.py', out, 'caught', 1],
+        2,
+        env=dict(ENV, FXA_PG_TIMEOUT='60'),
+        check=False,
+    )
     failed_at,o = float((out/'failed_at').read_text()),json.loads((out/'rank0.json').read_text())
-    print(f'failfast: process 1 of 2 raised and its script caught it: process 0 stopped {o["t"]-failed_at:.2f} s later '
-          f'(process-group timeout 60 s) with {o["error"]}: {" ".join(o["message"].split())[:160]} (launch {time.time()-t0:.0f} s)')
+    print(
+        f'failfast: process 1 of 2 raised and its script caught it: process 0 stopped {o["t"] - failed_at:.2f} s later '
+        f'(process-group timeout 60 s) with {o["error"]}: {" ".join(o["message"].split())[:160]} (launch {time.time() - t0:.0f} s)'
+    )
+
 
 def tied_worker(engine):
     "One process of the tied-weights launch"
@@ -71,11 +91,20 @@ def tied_worker(engine):
     torch.set_num_threads(1); fastai_distributed()
     dist.init_process_group('gloo', timeout=timedelta(seconds=60))
     x,y = digits_data(); set_seed(0)
-    dls = DataLoaders.from_dsets(Samples(zip(x[:320], y[:320])), Samples(zip(x[-64:], y[-64:])), bs=16, device='cpu', num_workers=0)
+    dls = DataLoaders.from_dsets(
+        Samples(zip(x[:320], y[:320])), Samples(zip(x[-64:], y[-64:])), bs=16, device='cpu', num_workers=0
+    )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10)).double()
     model[2].weight = model[0].weight
-    learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss(), GradientAccumulation(32)])
+    learn = Learner(
+        dls,
+        model,
+        loss_func=nn.CrossEntropyLoss(),
+        opt_func=SGD,
+        lr=0.1,
+        cbs=[Float64SmoothLoss(), GradientAccumulation(32)],
+    )
     try:
         with learn.sharded_ctx(engine=engine), learn.no_logging(), learn.no_bar(): learn.fit(1)
         err = None
@@ -88,7 +117,13 @@ def tied_worker(engine):
 def tied(out):
     for engine in ('fsdp2', 'fsdp1'):
         p = launch([__file__, '--tied-worker', engine], 2, check=False)
-        print(next((l for l in p.stdout.splitlines() if l.startswith('tied weights')), f'tied weights, {engine}: no result\n{p.stderr[-2000:]}'))
+        print(
+            next(
+                (l for l in p.stdout.splitlines() if l.startswith('tied weights')),
+                f'tied weights, {engine}: no result\n{p.stderr[-2000:]}',
+            )
+        )
+
 
 if __name__ == '__main__':
     ap = argparse.ArgumentParser()

@@ -3,10 +3,11 @@ as its relative distance to the float64 gradient on the same weights and samples
 64 and 256 micro-batches summed in 16 bits (`accum_dtype=None`) and in float32 (`accum_dtype=torch.float32`). Measures
 whichever `fastxtend_accum` is on the path (a version without `accum_dtype` sums in 16 bits: its float32 rows say so).
 Not a test (pytest does not collect it): `PYTHONPATH=. .venv/bin/python tests/figures_precision.py` from the repository's root."""
-import inspect, os, sys, time, warnings
+
+import inspect, os, time, warnings
 import torch
 from torch import nn
-from fastai.basics import Learner, SGD, Adam
+from fastai.basics import Learner, SGD
 from fastxtend_accum.all import *
 from fastxtend_accum.test_utils import digits_dls, digits_mlp, FirstStepGrad
 
@@ -18,7 +19,9 @@ def loss_func(out, y):
     "Cross-entropy computed in the model's dtype, returned in float32 (fastai's Recorder smooths the loss in float32)"
     return nn.functional.cross_entropy(out, y).float()
 
-def model(dtype): return digits_mlp(HIDDEN, seed=0, dtype=torch.float32).to(dtype) # the same float32 start, rounded to dtype
+def model(dtype):
+    return digits_mlp(HIDDEN, seed=0, dtype=torch.float32).to(dtype)  # the same float32 start, rounded to dtype
+
 
 def reference_grad(dtype)->torch.Tensor:
     "The float64 gradient of the large batch, on the `dtype` model's weights (exactly, widened) and the same samples"
@@ -65,23 +68,41 @@ def by_hand_error(dtype, k:int)->float:
 def main():
     torch.set_num_threads(1)
     import fastxtend_accum
-    print(f"fastxtend_accum from {os.path.dirname(fastxtend_accum.__file__)}; accum_dtype: {'yes' if HAS_ACCUM_DTYPE else 'no (sums in 16 bits)'}")
-    print("First step's gradient, relative norm error against float64 (digits, MLP 64-256-10, windows of 1,024 samples)")
+
+    print(
+        f"fastxtend_accum from {os.path.dirname(fastxtend_accum.__file__)}; accum_dtype: {'yes' if HAS_ACCUM_DTYPE else 'no (sums in 16 bits)'}"
+    )
+    print(
+        "First step's gradient, relative norm error against float64 (digits, MLP 64-256-10, windows of 1,024 samples)"
+    )
     rows,start = [],time.perf_counter()
     dts = (torch.bfloat16, torch.float16)
     rows.append(('one batch of 1,024 (the large batch)', [first_step_error(dt, None) for dt in dts]))
     for k in (16, 64, 256):
-        rows.append((f'GradientAccumulation, {k} micro-batches of {N//k}, accum_dtype=None', [first_step_error(dt, k) for dt in dts]))
+        rows.append(
+            (
+                f'GradientAccumulation, {k} micro-batches of {N // k}, accum_dtype=None',
+                [first_step_error(dt, k) for dt in dts],
+            )
+        )
         rows.append((f'GradientAccumulation, {k} micro-batches of {N//k}, accum_dtype=float32',
                      [first_step_error(dt, k, torch.float32) if HAS_ACCUM_DTYPE else None for dt in dts]))
     for ad in ('16 bits', torch.float32):
         name = 'None' if ad == '16 bits' else 'float32'
-        rows.append((f'MicroBatching(micro_bs=4), 256 micro-batches, accum_dtype={name}',
-                     [first_step_error(dt, 256, ad, micro=True) if HAS_ACCUM_DTYPE or ad == '16 bits' else None for dt in dts]))
+        rows.append(
+            (
+                f'MicroBatching(micro_bs=4), 256 micro-batches, accum_dtype={name}',
+                [
+                    first_step_error(dt, 256, ad, micro=True) if HAS_ACCUM_DTYPE or ad == '16 bits' else None
+                    for dt in dts
+                ],
+            )
+        )
     rows.append(('256 micro-batches summed in float32 by hand', [by_hand_error(dt, 256) for dt in dts]))
     w = max(len(r[0]) for r in rows)
     print(f"| {'run':<{w}} | bfloat16 | float16 |\n|{'-'*(w+2)}|---|---|")
-    for name,vals in rows: print(f"| {name:<{w}} | " + ' | '.join('n/a' if v is None else f'{v:.2e}' for v in vals) + ' |')
+    for name, vals in rows:
+        print(f"| {name:<{w}} | " + ' | '.join('n/a' if v is None else f'{v:.2e}' for v in vals) + ' |')
     print(f"({time.perf_counter()-start:.0f} s)")
 
 if __name__ == '__main__': main()

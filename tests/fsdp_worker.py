@@ -40,24 +40,58 @@ DATA = dict(even=dict(n=300, uneven=0), uneven=dict(n=300, uneven=4), tiny=dict(
 LRS = dict(sgd=0.1, tsgd=0.1, adam=1e-2, adamw=1e-2)
 BLOCKS = (nn.Linear, nn.Embedding, nn.GRU) # the modules sharded on their own (FSDP2: fully_shard; FSDP1: one unit each)
 
-CASES = [ # 2 processes
-    *[f'{e}-ga-uneven-{o}' for e in ('fsdp2', 'fsdp1') for o in (('sgd', 'adam', 'adamw') if e == 'fsdp2' else ('tsgd', 'adamw'))],
-    'fsdp2-ga-even-sgd', 'fsdp1-ga-even-tsgd', 'fsdp2-ga-uneven-sgd-window', 'fsdp1-ga-uneven-tsgd-window',
-    'fsdp2-tga-text-adam', 'fsdp1-tga-text-adamw', 'fsdp2-tga-text-sgd-window', 'fsdp1-tga-text-tsgd-window',
-    'fsdp2-gas-uneven-sgd', 'fsdp1-gas-uneven-tsgd-window', 'fsdp2-ga-buckets-sgd', 'fsdp1-ga-buckets-adamw-window',
-    'fsdp2-mb-uneven-sgd', 'fsdp2-mb10-uneven-adam-window', 'fsdp1-mb-uneven-tsgd', 'fsdp1-mb10-uneven-adamw-window',
-    'fsdp2-mb10-uneven-sgd', 'fsdp1-mb10-uneven-tsgd',
-    'fsdp2-mb4-tiny-sgd', 'fsdp1-mb4-tiny-tsgd-window', 'fsdp2-tmb-text-adam', 'fsdp1-tmb-text-tsgd-window',
+CASES = [  # 2 processes
+    *[
+        f'{e}-ga-uneven-{o}'
+        for e in ('fsdp2', 'fsdp1')
+        for o in (('sgd', 'adam', 'adamw') if e == 'fsdp2' else ('tsgd', 'adamw'))
+    ],
+    'fsdp2-ga-even-sgd',
+    'fsdp1-ga-even-tsgd',
+    'fsdp2-ga-uneven-sgd-window',
+    'fsdp1-ga-uneven-tsgd-window',
+    'fsdp2-tga-text-adam',
+    'fsdp1-tga-text-adamw',
+    'fsdp2-tga-text-sgd-window',
+    'fsdp1-tga-text-tsgd-window',
+    'fsdp2-gas-uneven-sgd',
+    'fsdp1-gas-uneven-tsgd-window',
+    'fsdp2-ga-buckets-sgd',
+    'fsdp1-ga-buckets-adamw-window',
+    'fsdp2-mb-uneven-sgd',
+    'fsdp2-mb10-uneven-adam-window',
+    'fsdp1-mb-uneven-tsgd',
+    'fsdp1-mb10-uneven-adamw-window',
+    'fsdp2-mb10-uneven-sgd',
+    'fsdp1-mb10-uneven-tsgd',
+    'fsdp2-mb4-tiny-sgd',
+    'fsdp1-mb4-tiny-tsgd-window',
+    'fsdp2-tmb-text-adam',
+    'fsdp1-tmb-text-tsgd-window',
     # fastai's SGD and Adam on FSDP1, once `Optimizer.zero_grad` leaves views alone (as PyTorch's does)
-    'fsdp1-ga-uneven-sgd-torchzero', 'fsdp1-ga-uneven-adam-torchzero', 'fsdp1-mb10-uneven-adam-torchzero',
-    # DDP: MicroBatching counts over the processes too ('window': one all-reduce a batch; 'micro_batch': as many backwards)
-    'ddp-mb10-uneven-sgd', 'ddp-mb10-uneven-sgd-micro_batch', 'ddp-tmb-text-adam',
+    'fsdp1-ga-uneven-sgd-torchzero',
+    'fsdp1-ga-uneven-adam-torchzero',
+    'fsdp1-mb10-uneven-adam-torchzero',
+    # DDP: MicroBatching counts over the processes too ('window': one all-reduce a batch; 'micro_batch': as many
+    # backwards)
+    'ddp-mb10-uneven-sgd',
+    'ddp-mb10-uneven-sgd-micro_batch',
+    'ddp-tmb-text-adam',
     # what each process correcting by its own counts gives (the library before the counts were summed): measurably off
-    'fsdp2-ga-uneven-sgd-local', 'fsdp2-ga-uneven-adam-local', 'fsdp2-ga-uneven-adamw-local', 'fsdp1-ga-uneven-tsgd-local',
-    'fsdp2-tga-text-sgd-local', 'fsdp1-tga-text-adamw-local', 'fsdp2-mb-uneven-sgd-local',
+    'fsdp2-ga-uneven-sgd-local',
+    'fsdp2-ga-uneven-adam-local',
+    'fsdp2-ga-uneven-adamw-local',
+    'fsdp1-ga-uneven-tsgd-local',
+    'fsdp2-tga-text-sgd-local',
+    'fsdp1-tga-text-adamw-local',
+    'fsdp2-mb-uneven-sgd-local',
     'ddp-mb-uneven-sgd-local',
     # errors, raised on every process within seconds, instead of a hang or gloo's abort
-    'fsdp2-ga-mismatch-sgd', 'fsdp1-ga-mismatch-tsgd', 'fsdp2-mb-fewer-sgd', 'fsdp2-mb-uneven-sgd-search']
+    'fsdp2-ga-mismatch-sgd',
+    'fsdp1-ga-mismatch-tsgd',
+    'fsdp2-mb-fewer-sgd',
+    'fsdp2-mb-uneven-sgd-search',
+]
 HSDP_CASES = ['hsdp-ga-uneven-sgd', 'hsdp-ga-uneven-sgd-micro_batch', 'hsdp-ga-uneven-sgd-window', 'hsdp-mb-uneven-sgd',
               'hsdp-tga-text-adam']
 ERRORS = ('mismatch', 'fewer', 'search')
@@ -83,7 +117,8 @@ def shard_model(model:nn.Module, engine:str)->nn.Module:
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         return FullyShardedDataParallel(model, device_id=torch.device('cpu'), use_orig_params=True,
                                         auto_wrap_policy=ModuleWrapPolicy(set(BLOCKS)))
-    if engine == 'ddp': # DDP's own all-reduce runs in C++: its default hook, registered, calls `torch.distributed.all_reduce`
+    # DDP's own all-reduce runs in C++: its default hook, registered, calls `torch.distributed.all_reduce`
+    if engine == 'ddp':
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         ddp = nn.parallel.DistributedDataParallel(model)
         ddp.register_comm_hook(None, allreduce_hook)
@@ -135,7 +170,11 @@ class CollectiveCounter:
                 f = getattr(dist, name, None)
                 if f is None or getattr(f, '_counted', False): continue
                 def wrapped(*args, _f=f, _kind=kind, **kwargs):
-                    who = 'library' if sys._getframe(1).f_globals.get('__name__', '').startswith('fastxtend_accum') else 'engine'
+                    who = (
+                        'library'
+                        if sys._getframe(1).f_globals.get('__name__', '').startswith('fastxtend_accum')
+                        else 'engine'
+                    )
                     k = f'{who}_{_kind}'
                     self.n[k] = self.n.get(k, 0) + 1
                     self.bytes[k] = self.bytes.get(k, 0) + _nbytes(args, kwargs)
@@ -145,7 +184,9 @@ class CollectiveCounter:
         return self
     def snapshot(self)->dict: return dict(self.n) | {f'{k}_bytes': v for k,v in self.bytes.items()}
     @staticmethod
-    def delta(a:dict, b:dict)->dict: return {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b) if b.get(k, 0) != a.get(k, 0)}
+    def delta(a: dict, b: dict) -> dict:
+        return {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b) if b.get(k, 0) != a.get(k, 0)}
+
 
 def held_grad_bytes(model:nn.Module)->int:
     """Bytes of gradient this process holds: its parameters' `.grad` (a DTensor's local shard), the unsharded gradients
@@ -177,7 +218,17 @@ class Measure(Callback):
     "Per fit: backwards run, the largest gradient held after any of them, the samples each optimizer step stood for"
     order = 100
     def __init__(self, counter:CollectiveCounter): self.counter = counter
-    def before_fit(self): self.n_backward,self.peak,self.held,self.steps,self.epochs,self._c0 = 0,0,[],[],[],self.counter.snapshot()
+
+    def before_fit(self):
+        self.n_backward, self.peak, self.held, self.steps, self.epochs, self._c0 = (
+            0,
+            0,
+            [],
+            [],
+            [],
+            self.counter.snapshot(),
+        )
+
     def after_backward(self):
         self.n_backward += 1
         b = held_grad_bytes(self.learn.model)
@@ -190,7 +241,8 @@ class Measure(Callback):
         self.epochs.append(self.epoch)
     def after_fit(self): self.collectives = CollectiveCounter.delta(self._c0, self.counter.snapshot())
 
-# --- the learners --------------------------------------------------------------------------------------------------------
+# --- the learners
+# --------------------------------------------------------------------------------------------------------
 def my_samples(data:str, rank:int, world:int)->tuple[list,list]:
     "This process's training samples (its slice of the data) and the validation samples"
     if data == 'text':
@@ -228,9 +280,15 @@ def accumulation_cb(spec:dict):
     from fastxtend_accum.callback.schedule import GradientAccumulationSchedule
     from fastxtend_accum.callback.microbatch import MicroBatching
     from fastxtend_accum.normalize import TokenCount
-    kw = dict(grad_sync=spec['grad_sync'], **(dict(normalize_by=TokenCount()) if spec['algo'] in ('tga', 'tmb') else {}))
+
+    kw = dict(
+        grad_sync=spec['grad_sync'], **(dict(normalize_by=TokenCount()) if spec['algo'] in ('tga', 'tmb') else {})
+    )
     algo,local = spec['algo'],spec['variant'] == 'local'
-    if algo in ('ga', 'tga'): return (local_cls(GradientAccumulation) if local else GradientAccumulation)(ACCUM_BS if algo == 'ga' else TEXT_ACCUM_BS, **kw)
+    if algo in ('ga', 'tga'):
+        return (local_cls(GradientAccumulation) if local else GradientAccumulation)(
+            ACCUM_BS if algo == 'ga' else TEXT_ACCUM_BS, **kw
+        )
     if algo == 'gas': return GradientAccumulationSchedule(32, 64, start=0., finish=0.5, **kw)
     mbs = 'auto' if spec['variant'] == 'search' else dict(mb=16, mb10=10, mb4=4, tmb=10)[algo]
     return (local_cls(MicroBatching) if local else MicroBatching)(mbs, verbose=False, **kw)
@@ -239,11 +297,15 @@ def local_cls(cls):
     "What the library did before it summed counts over processes: each process weights and corrects by its own counts"
     from fastxtend_accum.distributed import WindowSync
     class Local(cls):
-        def _setup_sync(self): # GradientAccumulation: a one-process sync object; FSDP then reduce-scatters every backward
+        def _setup_sync(
+            self,
+        ):  # GradientAccumulation: a one-process sync object; FSDP then reduce-scatters every backward
             self.windows.sync,self.windows.count_globally = WindowSync(self.model),False
         def before_train(self):
             super().before_train()
-            if not hasattr(cls, '_setup_sync'): self.windows.sync,self.windows.world_size = WindowSync(self.learn.model),1 # MicroBatching
+            if not hasattr(cls, '_setup_sync'):
+                self.windows.sync, self.windows.world_size = WindowSync(self.learn.model), 1  # MicroBatching
+
     Local.__name__ = f'Local{cls.__name__}'
     return Local
 
@@ -278,10 +340,20 @@ def _run_case(spec:dict, case:str, out:str, rank:int, world:int, counter:Collect
             except (RuntimeError, ValueError) as e: error = f'{type(e).__name__}: {e}'
             return torch.save(dict(error=error, seconds=time.perf_counter()-t, n_backward=measure.n_backward), path)
         learn.fit(N_EPOCH)
-    torch.save(dict(params=full_params(learn.model), losses=[float(o) for o in learn.recorder.losses], steps=measure.steps,
-                    step_epochs=measure.epochs,
-                    n_backward=measure.n_backward, collectives=measure.collectives, peak_grad_bytes=measure.peak,
-                    held=measure.held, sync=repr(getattr(cb, "windows", cb).sync)), path)
+    torch.save(
+        dict(
+            params=full_params(learn.model),
+            losses=[float(o) for o in learn.recorder.losses],
+            steps=measure.steps,
+            step_epochs=measure.epochs,
+            n_backward=measure.n_backward,
+            collectives=measure.collectives,
+            peak_grad_bytes=measure.peak,
+            held=measure.held,
+            sync=repr(getattr(cb, "windows", cb).sync),
+        ),
+        path,
+    )
 
 def main(out:str, cases:list[str]):
     torch.set_num_threads(1)

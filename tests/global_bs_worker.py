@@ -51,13 +51,19 @@ class Dealt(FastaiDataLoader):
 class Probe(Callback):
     "What the test reads: world sizes at before_fit and before_train, and each optimizer step's epoch, samples and lr"
     order = 7
-    def __init__(self): self.steps,self.ws_fit,self.ws_train,self.wrapped_at_fit = [],None,[],None # a fit may stop before ours
+
+    def __init__(self):
+        self.steps, self.ws_fit, self.ws_train, self.wrapped_at_fit = [], None, [], None  # a fit may stop before ours
+
     def before_fit(self):
         from fastxtend_accum.patches import accum_callback
         self.cb = accum_callback(self.learn)
         self.steps,self.ws_fit,self.ws_train = [],self.cb.windows.world_size,[]
-        self.wrapped_at_fit = type(self.model).__name__ # fastai's DistributedTrainer wraps it after this
-    def before_train(self): self.ws_train.append((self.cb.windows.world_size, self.cb.windows.sync.world_size, type(self.model).__name__))
+        self.wrapped_at_fit = type(self.model).__name__  # fastai's DistributedTrainer wraps it after this
+
+    def before_train(self):
+        self.ws_train.append((self.cb.windows.world_size, self.cb.windows.sync.world_size, type(self.model).__name__))
+
     def after_batch(self):
         if self.training and self.cb.window_closed:
             self.steps.append((self.epoch, self.cb.held_bs, float(self.opt.hypers[-1]['lr'])))
@@ -120,13 +126,19 @@ def run_case(case:str, out:str, world:int, rank:int):
         except ValueError as e: res['error'] = str(e)
         finally:
             if run is not None: run.finish()
-    res.update(messages=[str(o.message) for o in w if 'divide' in str(o.message) or 'multiple' in str(o.message)],
-               epochs_for_10=ef.n_epoch_for_10, ws_fit=probe.ws_fit, wrapped_at_fit=probe.wrapped_at_fit, ws_train=probe.ws_train, steps=probe.steps,
-               lrs=[float(o) for o in vars(learn.recorder).get('lrs', [])],
-               losses=[float(o) for o in vars(learn.recorder).get('losses', [])],
-               hps_accum_bs=vars(learn.recorder).get('hps', {}).get('accum_bs'),
-               params=[p.detach().clone() for p in learn.model.parameters()],
-               wandb_dir=None if run is None else run.settings.sync_dir)
+    res.update(
+        messages=[str(o.message) for o in w if 'divide' in str(o.message) or 'multiple' in str(o.message)],
+        epochs_for_10=ef.n_epoch_for_10,
+        ws_fit=probe.ws_fit,
+        wrapped_at_fit=probe.wrapped_at_fit,
+        ws_train=probe.ws_train,
+        steps=probe.steps,
+        lrs=[float(o) for o in vars(learn.recorder).get('lrs', [])],
+        losses=[float(o) for o in vars(learn.recorder).get('losses', [])],
+        hps_accum_bs=vars(learn.recorder).get('hps', {}).get('accum_bs'),
+        params=[p.detach().clone() for p in learn.model.parameters()],
+        wandb_dir=None if run is None else run.settings.sync_dir,
+    )
     torch.save(res, os.path.join(out, f'{case}-w{world}-rank{rank}.pt'))
 
 def main(out:str, world:int, cases:list[str]):
@@ -138,7 +150,8 @@ def main(out:str, world:int, cases:list[str]):
         dist.init_process_group('gloo', timeout=timedelta(seconds=W.PG_TIMEOUT))
         assert dist.get_world_size() == world
     for case in cases: run_case(case, out, world, rank)
-    if world > 1: dist.barrier(); dist.destroy_process_group() # gloo torn down before exit: else its threads can abort it
+    # gloo torn down before exit: else its threads can abort it
+    if world > 1: dist.barrier(); dist.destroy_process_group()
 
 if __name__ == '__main__':
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(','))

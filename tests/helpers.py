@@ -1,5 +1,6 @@
 "Test scaffolding shared by the test files: comparing two runs, fastai's own methods put back, CPU mixed precision, an injected fp16 overflow"
-import contextlib
+
+import contextlib, os
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastxtend_accum.test_utils import max_param_diff
@@ -16,11 +17,12 @@ def assert_same_training(large, other, eps=1e-8):
 @contextlib.contextmanager
 def fastai_own(*parts):
     "fastai's own code for the duration where an accumulating fit's class would take it over: `parts` of 'dispatch', 'items'"
-    from fastxtend_accum.patches import FAST
-    saved = dict(FAST)
-    FAST.update({p: False for p in parts})
+    saved = os.environ.get('FXA_FASTAI_OWN') # read at each fit's start (`patches.fastai_own`)
+    os.environ['FXA_FASTAI_OWN'] = ','.join(parts)
     try: yield
-    finally: FAST.update(saved)
+    finally:
+        if saved is None: os.environ.pop('FXA_FASTAI_OWN', None)
+        else: os.environ['FXA_FASTAI_OWN'] = saved
 
 def no_grads(learn): return all(p.grad is None or (p.grad == 0).all() for p in learn.model.parameters())
 
@@ -38,11 +40,13 @@ class CPUMixedPrecision(MixedPrecision):
         self.n_update += 1
         super().after_step()
     def after_pred(self):
-        if self.autocast._enabled: super().after_pred() # fastai casts preds to float32; keep float64 when not autocasting
+        # fastai casts preds to float32; keep float64 when not autocasting
+        if self.autocast._enabled: super().after_pred()
     def after_fit(self): self.autocast = None
 
 class Overflow(Callback):
     "Put an inf in a gradient after the backward that covers training sample `at` (counted in samples that went through)"
+
     order = MixedPrecision.order-1
     def __init__(self, at): self.at,self.seen = at,0
     def before_fit(self): self.seen = 0
@@ -59,5 +63,9 @@ def import_library_module(name:str):
     sys.modules.update(torchvision_stand_in())
     try: return importlib.import_module(name)
     finally:
-        for k in [k for k in sys.modules if k.split('.')[0] == 'torchvision' or k.startswith(('fastai.vision', 'fastxtend_accum.vision'))]:
+        for k in [
+            k
+            for k in sys.modules
+            if k.split('.')[0] == 'torchvision' or k.startswith(('fastai.vision', 'fastxtend_accum.vision'))
+        ]:
             del sys.modules[k]

@@ -21,7 +21,10 @@ def shard_dls(rank:int, bs:int):
     from fastai.data.load import DataLoader as FastaiDataLoader
     x,y = digits_data(torch.bfloat16)
     trn,val = list(zip(x[SHARD*rank:SHARD*(rank+1)], y[SHARD*rank:SHARD*(rank+1)])),list(zip(x[-64:], y[-64:]))
-    return DataLoaders(FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
+    return DataLoaders(
+        FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=64, device='cpu'), device='cpu'
+    )
+
 
 def fsdp2_refusal(rank:int)->dict:
     "A bfloat16 model sharded with FSDP2 and accum_dtype (the default): the ValueError both processes raise before any micro-batch"
@@ -31,7 +34,9 @@ def fsdp2_refusal(rank:int)->dict:
     for o in m:
         if isinstance(o, nn.Linear): fully_shard(o)
     fully_shard(m)
-    learn = Learner(shard_dls(rank, MICRO_BS), m, loss_func=loss_func, opt_func=SGD, lr=0.1, cbs=GradientAccumulation(ACCUM_BS))
+    learn = Learner(
+        shard_dls(rank, MICRO_BS), m, loss_func=loss_func, opt_func=SGD, lr=0.1, cbs=GradientAccumulation(ACCUM_BS)
+    )
     try:
         with learn.no_bar(), learn.no_logging(): learn.fit(1)
     except ValueError as e: return dict(error=str(e))

@@ -32,7 +32,9 @@ class Steps(Callback):
         self.i += 1; self.steps.append(0)
     def before_step(self): self.steps[-1] += 1
     def after_epoch(self):
-        if self.cut == (self.i, self.epoch) and self.training is False: raise Interrupt(f'cut after fit {self.i} epoch {self.epoch}')
+        if self.cut == (self.i, self.epoch) and self.training is False:
+            raise Interrupt(f'cut after fit {self.i} epoch {self.epoch}')
+
 
 def main(out:str, tag:str, case:str):
     torch.set_num_threads(1)
@@ -53,8 +55,15 @@ def main(out:str, tag:str, case:str):
     steps = Steps(cut)
     cbs = [Float64SmoothLoss(), GradientAccumulation(128 if case == 'other_accum_bs' else 64, global_bs=True), steps]
     if case != 'fits_plain': cbs.append(ResumeCheckpoint('run'))
-    learn = Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD if case == 'other_optimizer' else Adam,
-                    lr=LR, path=Path(out)/tag, cbs=cbs)
+    learn = Learner(
+        dls,
+        digits_mlp(seed=0),
+        loss_func=nn.CrossEntropyLoss(),
+        opt_func=SGD if case == 'other_optimizer' else Adam,
+        lr=LR,
+        path=Path(out) / tag,
+        cbs=cbs,
+    )
     res = dict(error=None)
     try:
         with learn.distrib_ctx(cpu=True), learn.no_logging(), learn.no_bar():
@@ -63,7 +72,8 @@ def main(out:str, tag:str, case:str):
     except Exception as e: res = dict(error=type(e).__name__, message=str(e))
     res.update(t=time.time(), steps=steps.steps)
     with open(os.path.join(out, f'{tag}-{case}-rank{rank}.json'), 'w') as f: json.dump(res, f)
-    if rank == 0: torch.save([p.detach().clone() for p in learn.model.parameters()], os.path.join(out, f'{tag}-{case}.pt'))
+    if rank == 0:
+        torch.save([p.detach().clone() for p in learn.model.parameters()], os.path.join(out, f'{tag}-{case}.pt'))
     if world > 1: dist.barrier(); dist.destroy_process_group()
 
 if __name__ == '__main__':

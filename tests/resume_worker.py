@@ -47,18 +47,22 @@ def main(out:str, tag:str, phase:str):
     if not fastai_recipe:
         from fastxtend_accum.resume import ResumeCheckpoint
         cbs.append(ResumeCheckpoint('run'))
-    learn = Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=Adam, lr=LR, path=Path(out)/tag, cbs=cbs)
+    learn = Learner(
+        dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=Adam, lr=LR, path=Path(out) / tag, cbs=cbs
+    )
     extra,kw = [],{}
     if phase.startswith('cut'): extra.append(StopAfter(STOP))
     if fastai_recipe: extra.append(SaveModelCallback(every_epoch=True, with_opt=True))
     if phase == 'resume_fastai':
         learn.load(f'model_{STOP}', with_opt=True)
         kw = dict(start_epoch=STOP+1)
-    with learn.distrib_ctx(cpu=True), learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(N_EPOCH, LR, cbs=extra, **kw)
+    with learn.distrib_ctx(cpu=True), learn.no_logging(), learn.no_bar():
+        learn.fit_one_cycle(N_EPOCH, LR, cbs=extra, **kw)
     if rank == 0:
         torch.save(dict(lrs=learn.lrs.lrs, params=[p.detach().clone() for p in learn.model.parameters()]),
                    os.path.join(out, f'{tag}-{phase}-w{world}.pt'))
-    if world > 1: dist.barrier(); dist.destroy_process_group() # gloo torn down before exit: else its threads can abort it
+    # gloo torn down before exit: else its threads can abort it
+    if world > 1: dist.barrier(); dist.destroy_process_group()
 
 if __name__ == '__main__':
     main(*sys.argv[1:4])

@@ -5,6 +5,7 @@ Each case trains the digits MLP the way a user would (fastai's default loaders: 
 micro-batches this process trained on, window by window, and writes `OUT_DIR/<case>-rank<r>.pt`: the test trains one
 process on the same global windows and compares. The `before_*` cases show what fastai does without this library's
 `sharded` module: they must run in a launch that never imports it (`FXA_BEFORE=1`), since importing it patches fastai."""
+
 import os, sys
 from datetime import timedelta
 from copy import deepcopy
@@ -20,7 +21,8 @@ sys.path.insert(0, HERE)
 from ddp_worker import fastai_distributed
 
 BEFORE = os.environ.get('FXA_BEFORE') == '1'
-if not BEFORE: from fastxtend_accum.sharded import * # patches fastai's Optimizer.zero_grad, GradientClip, Learner.save/load
+# patches fastai's Optimizer.zero_grad, GradientClip, Learner.save/load
+if not BEFORE: from fastxtend_accum.sharded import *
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.callback.microbatch import MicroBatching
 from fastxtend_accum.test_utils import digits_data, digits_mlp, Float64SmoothLoss, Samples
@@ -39,7 +41,8 @@ def default_dls(bs=MICRO_BS):
     "fastai's default loaders over digits: a shuffled training loader that drops its last partial batch"
     set_seed(0)
     trn,val = digits_samples()
-    # no worker processes (fastai starts one per CPU), as in ddp_worker.py: one full run of this file, on a loaded machine,
+    # no worker processes (fastai starts one per CPU), as in ddp_worker.py: one full run of this file, on a loaded
+    # machine,
     # hung with process 1 waiting in an all-gather that process 0 never joined; forking workers from a process that
     # holds a gloo group is the likeliest cause we could not rule out (not reproduced in 20 runs since)
     return DataLoaders.from_dsets(trn, val, bs=bs, device='cpu', num_workers=0)
@@ -61,14 +64,21 @@ class Seen(Callback):
         if hasattr(self.learn, 'lr_finder'): return
         ga = getattr(self.learn, 'gradient_accumulation', None)
         w = ga.windows.i_window if ga is not None else self.iter
-        self.batches.append((self.fit, self.epoch, w, self.xb[0].detach().cpu().clone(), self.yb[0].detach().cpu().clone()))
+        self.batches.append(
+            (self.fit, self.epoch, w, self.xb[0].detach().cpu().clone(), self.yb[0].detach().cpu().clone())
+        )
+
 
 class Norms(Callback):
     "At each step: the norm of this process's own gradients, and of the whole gradient (before clipping)"
     order = GradientClip.order-1
     def __init__(self): self.local,self.whole = [],[]
     def before_step(self):
-        grads = [p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [
+            p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad
+            for p in self.model.parameters()
+            if p.grad is not None
+        ]
         sq = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
         tot = sq.clone()
         dist.all_reduce(tot)
@@ -76,6 +86,7 @@ class Norms(Callback):
 
 class ShardClip(GradientClip):
     "fastai's GradientClip as it was: `clip_grad_norm_` on the parameters this process holds (under FSDP1, its own parts)"
+
     def before_step(self): nn.utils.clip_grad_norm_(self.parameters(), self.max_norm, self.norm_type)
 
 def tied_mlp():
@@ -87,8 +98,14 @@ def tied_mlp():
 
 def learner(opt='adam', bs=MICRO_BS, cbs=(), model=None, dls=None):
     of,lr = opt_func(opt)
-    return Learner(dls or default_dls(bs), model or digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=of, lr=lr,
-                   cbs=[Float64SmoothLoss(), Seen()] + list(cbs))
+    return Learner(
+        dls or default_dls(bs),
+        model or digits_mlp(seed=0),
+        loss_func=nn.CrossEntropyLoss(),
+        opt_func=of,
+        lr=lr,
+        cbs=[Float64SmoothLoss(), Seen()] + list(cbs),
+    )
 
 def snapshot(learn):
     "The model's parameters, whole, and what a plain model is (no DTensor, its own class)"
@@ -116,7 +133,12 @@ def half_dls(rank, bs=MICRO_BS):
     "Per-process loaders split by hand: process r takes its half of the training set, in order"
     trn,val = digits_samples()
     m = N_TRAIN//2
-    return DataLoaders(FastaiDataLoader(Samples(trn[rank*m:(rank+1)*m]), bs=bs, device='cpu'), FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
+    return DataLoaders(
+        FastaiDataLoader(Samples(trn[rank * m : (rank + 1) * m]), bs=bs, device='cpu'),
+        FastaiDataLoader(val, bs=64, device='cpu'),
+        device='cpu',
+    )
+
 
 def quiet(learn): return learn.no_logging(),learn.no_bar()
 
@@ -143,10 +165,12 @@ def run_case(case, out, rank):
         with learn.sharded_ctx(engine='fsdp1'):
             fit(learn, 1); res['fit1'] = dict(snapshot(learn), opt=opt_state(learn))
             fit(learn, 1)
-    elif case == 'fsdp2_adamw_microbatch': # PyTorch's AdamW in OptimWrapper; batches of 32 split into micro-batches of 8
+    # PyTorch's AdamW in OptimWrapper; batches of 32 split into micro-batches of 8
+    elif case == 'fsdp2_adamw_microbatch':
         learn = learner('adamw', bs=2*MICRO_BS, cbs=[MicroBatching(8, verbose=False), GradientClip(MAX_NORM)])
         with learn.sharded_ctx(): fit(learn, 2)
-    elif case == 'save_load': # lr_find, then SaveModelCallback keeps the best epoch (with the optimizer), and loads it at the end
+    # lr_find, then SaveModelCallback keeps the best epoch (with the optimizer), and loads it at the end
+    elif case == 'save_load':
         learn = learner('adam', cbs=[GradientAccumulation(ACCUM_BS)])
         learn.path = Path(out)/'save_load'
         start = snapshot(learn)['params']
@@ -157,7 +181,8 @@ def run_case(case, out, rank):
             res['opt_after_lr_find'] = opt_state(learn)
             fit(learn, 3, cbs=SaveModelCallback(fname='best', with_opt=True))
             res['valid_losses'] = [float(v[1]) for v in learn.recorder.values]
-            res['validate'] = float(learn.validate()[0]) # runs the fit's events, with no optimizer: sharded, shared out, gathered
+            # runs the fit's events, with no optimizer: sharded, shared out, gathered
+            res['validate'] = float(learn.validate()[0])
         res['start'] = start
     elif case == 'ctx_starts_group': # `sharded_ctx` joins the process group itself (gloo on the CPU), and leaves it
         learn = learner('adam', cbs=[GradientAccumulation(ACCUM_BS)])
@@ -165,8 +190,12 @@ def run_case(case, out, rank):
             res['backend'] = dist.get_backend()
             fit(learn, 1)
         res['group_after'] = dist.is_initialized()
-    elif case == 'user_fsdp2_ctx': # sharded before the Learner; the context shares the data out and keeps the shards
-        learn = learner('adam', cbs=[GradientAccumulation(ACCUM_BS), GradientClip(MAX_NORM)], model=fully_shard_user(digits_mlp(seed=0)))
+    elif case == 'user_fsdp2_ctx':  # sharded before the Learner; the context shares the data out and keeps the shards
+        learn = learner(
+            'adam',
+            cbs=[GradientAccumulation(ACCUM_BS), GradientClip(MAX_NORM)],
+            model=fully_shard_user(digits_mlp(seed=0)),
+        )
         learn.path = Path(out)/'user'
         with learn.sharded_ctx():
             learn.save('start') # a plain checkpoint of the sharded start
@@ -180,24 +209,33 @@ def run_case(case, out, rank):
             res['reloaded_end'] = [p.full_tensor().clone() for p in learn.model.parameters()]
         res.update(params=end, batches=learn.seen.batches)
         return torch.save(res, os.path.join(out, f'{case}-rank{rank}.pt')) # the model stays sharded: no snapshot
-    elif case == 'user_fsdp1_by_hand': # FSDP1 before the Learner, per-process loaders split by hand, no context
-        learn = learner('sgd', cbs=[GradientAccumulation(ACCUM_BS), GradientClip(MAX_NORM)], model=fsdp1_user(digits_mlp(seed=0)),
-                        dls=half_dls(rank))
+    elif case == 'user_fsdp1_by_hand':  # FSDP1 before the Learner, per-process loaders split by hand, no context
+        learn = learner(
+            'sgd',
+            cbs=[GradientAccumulation(ACCUM_BS), GradientClip(MAX_NORM)],
+            model=fsdp1_user(digits_mlp(seed=0)),
+            dls=half_dls(rank),
+        )
         fit(learn, 2)
         learn.path = Path(out)/'user1'
         learn.save('end')
         return torch.save(dict(batches=learn.seen.batches), os.path.join(out, f'{case}-rank{rank}.pt'))
-    elif case in ('tied_fsdp2', 'tied_fsdp1'): # tied weights, the default policy: the two holders join the root's block
-        learn = learner('adam' if case == 'tied_fsdp2' else 'sgd', cbs=[GradientAccumulation(ACCUM_BS)], model=tied_mlp())
+    elif case in ('tied_fsdp2', 'tied_fsdp1'):  # tied weights, the default policy: the two holders join the root's block
+        learn = learner(
+            'adam' if case == 'tied_fsdp2' else 'sgd', cbs=[GradientAccumulation(ACCUM_BS)], model=tied_mlp()
+        )
         with learn.sharded_ctx(engine=case[-5:]): fit(learn, 2)
         res['still_tied'] = learn.model[0].weight is learn.model[2].weight
-    elif case == 'tied_refused': # a policy that shards each Linear apart splits the tied pair: refused before anything changes
+    # a policy that shards each Linear apart splits the tied pair: refused before anything changes
+    elif case == 'tied_refused':
         learn = learner('sgd', cbs=[GradientAccumulation(ACCUM_BS)], model=tied_mlp())
         model,before = learn.model,snapshot(learn)['params']
         try:
             with learn.sharded_ctx(policy=nn.Linear): fit(learn, 1)
         except ValueError as e: res['error'] = str(e)
-        res['untouched'] = learn.model is model and all(torch.equal(p, q) for p,q in zip(before, snapshot(learn)['params']))
+        res['untouched'] = learn.model is model and all(
+            torch.equal(p, q) for p, q in zip(before, snapshot(learn)['params'])
+        )
         res['group_after'] = dist.is_initialized() # an error every process raised: the group stays (failfast)
         return torch.save(res, os.path.join(out, f'{case}-rank{rank}.pt'))
     elif case.startswith('before_'): return run_before(case, out, rank)
@@ -208,6 +246,7 @@ def run_case(case, out, rank):
 # --- what fastai does on a sharded model without this library's `sharded` module (run with FXA_BEFORE=1)
 class ShardInBeforeFit(Callback):
     "A `prepare` that shards the model in `before_fit`, as `DistributedTrainer` wraps it in DDP, and unwraps it as that does"
+
     order = 11
     def before_fit(self): fully_shard_user(self.learn.model)
     def after_fit(self): self.learn.model = self.learn.model.module
@@ -219,7 +258,8 @@ def run_before(case, out, rank):
         try: # fastai's errors here are expected on both processes, maybe not at once: the group stays for the next case
             with keep_group(): f()
             return None
-        except Exception as e: return ' '.join(f'{type(e).__name__}: {e}'.split())[:400] # fastai puts the cause on a line of its own
+        # fastai puts the cause on a line of its own
+        except Exception as e: return ' '.join(f'{type(e).__name__}: {e}'.split())[:400]
     if case == 'before_distrib_ctx': # fastai's DDP path on a model the user sharded
         learn = learner('adam', cbs=[GradientAccumulation(ACCUM_BS)], model=fully_shard_user(digits_mlp(seed=0)))
         def f():
@@ -233,21 +273,36 @@ def run_before(case, out, rank):
         res['error'] = attempt(f)
         res['moved'] = max((p.full_tensor() - q).abs().max().item() for p,q in zip(learn.model.parameters(), before))
     elif case == 'before_fastai_opt_fsdp1':
-        learn = learner('sgd', cbs=[GradientAccumulation(ACCUM_BS)], model=fsdp1_user(digits_mlp(seed=0)), dls=half_dls(rank))
+        learn = learner(
+            'sgd', cbs=[GradientAccumulation(ACCUM_BS)], model=fsdp1_user(digits_mlp(seed=0)), dls=half_dls(rank)
+        )
+
         def f():
             with learn.no_logging(), learn.no_bar(): learn.fit(1)
         res['error'] = attempt(f)
     elif case == 'before_clip_fsdp1': # PyTorch's AdamW (fastai's optimizers crash on FSDP1), fastai's GradientClip
         norms = Norms()
-        learn = learner('adamw', cbs=[GradientAccumulation(ACCUM_BS), norms, GradientClip(MAX_NORM)], model=fsdp1_user(digits_mlp(seed=0)),
-                        dls=half_dls(rank))
+        learn = learner(
+            'adamw',
+            cbs=[GradientAccumulation(ACCUM_BS), norms, GradientClip(MAX_NORM)],
+            model=fsdp1_user(digits_mlp(seed=0)),
+            dls=half_dls(rank),
+        )
         with learn.no_logging(), learn.no_bar(): learn.fit(1)
         res['norms'] = (norms.local, norms.whole)
     else: raise ValueError(case)
     torch.save(res, os.path.join(out, f'{case}-rank{rank}.pt'))
 
-CASES = ['fsdp2_adam', 'fsdp1_sgd', 'fsdp1_shardclip', 'fsdp1_adam', 'fsdp2_adamw_microbatch', 'save_load', 'user_fsdp2_ctx',
-         'user_fsdp1_by_hand']
+CASES = [
+    'fsdp2_adam',
+    'fsdp1_sgd',
+    'fsdp1_shardclip',
+    'fsdp1_adam',
+    'fsdp2_adamw_microbatch',
+    'save_load',
+    'user_fsdp2_ctx',
+    'user_fsdp1_by_hand',
+]
 # 'ctx_starts_group' runs in a launch of its own: a default group started again after one ended reuses its name, and so
 # its keys in torchrun's store, and a process may read the ended group's address (gloo then times out connecting)
 TIED_CASES = ['tied_fsdp2', 'tied_fsdp1', 'tied_refused'] # tied weights, in a launch of their own

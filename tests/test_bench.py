@@ -45,39 +45,60 @@ def test_overhead_quick(runs):
                             ('MicroBatching(fixed)', "MicroBatching(fixed, normalize_by='samples')")]:
             hits = [l for l in lines if l.startswith(f'RATIO {key}: {variant} / {ref} = ')]
             assert len(hits) == 1, f'no ratio line for {key}: {variant} / {ref} in:\n' + '\n'.join(lines)
-            m = re.search(rf'= {NUM} CPU time \[min (\d+\.\d+), max (\d+\.\d+)\] \(best-of {NUM}; [+-]\d+ us per micro-batch; '
-                          rf'wall {NUM} \[\d+\.\d+, \d+\.\d+\]\)', hits[0])
+            m = re.search(
+                rf'= {NUM} CPU time \[min (\d+\.\d+), max (\d+\.\d+)\] \(best-of {NUM}; [+-]\d+ us per micro-batch; '
+                rf'wall {NUM} \[\d+\.\d+, \d+\.\d+\]\)',
+                hits[0],
+            )
             assert m and float(m[2]) <= float(m[1]) <= float(m[3]) and float(m[1]) > 0, hits[0]
     data = json.loads((out/'overhead.json').read_text())
     md = (out/'overhead.md').read_text()
     assert md.startswith('## Overhead')
     # the page tells fastai's per-batch cost apart from this library's
-    for s in ("| the fastai loader's next batch | ", "| fastai's Learner per micro-batch", '| this library on top of that, log_accum_batch=True | '):
+    for s in (
+        "| the fastai loader's next batch | ",
+        "| fastai's Learner per micro-batch",
+        '| this library on top of that, log_accum_batch=True | ',
+    ):
         assert md.count(s) == 2, s
     assert data['benchmark'] == 'overhead' and data['config']['quick'] and data['machine']['torch_threads'] == 1
     for key in ('mlp/adam', 'cnn/adam'):
         m = data['models'][key]
-        assert set(m['variants']) == {'no accumulation', 'fastai GradientAccumulation',
-                                      'fastxtend_accum (log_accum_batch=True)', 'fastxtend_accum (log_accum_batch=False)',
-                                      "fastxtend_accum (normalize_by='samples')", 'MicroBatching(fixed)',
-                                      "MicroBatching(fixed, normalize_by='samples')", 'PyTorch loop (accumulation)',
-                                      'PyTorch loop over the fastai loader'}
+        assert set(m['variants']) == {
+            'no accumulation',
+            'fastai GradientAccumulation',
+            'fastxtend_accum (log_accum_batch=True)',
+            'fastxtend_accum (log_accum_batch=False)',
+            "fastxtend_accum (normalize_by='samples')",
+            'MicroBatching(fixed)',
+            "MicroBatching(fixed, normalize_by='samples')",
+            'PyTorch loop (accumulation)',
+            'PyTorch loop over the fastai loader',
+        }
         assert all(len(v['cpu_s']) == len(v['wall_s']) == 2 and min(v['cpu_s']) > 0 and min(v['wall_s']) > 0
                    for v in m['variants'].values())
         # the variants train as they say: 47 micro-batches, 12 steps (fastai's: 11, its short last window waits for the
         # next epoch); the same parameters as the hand-written loop
         s = m['sanity']
         assert s['micro-batches per epoch'] == 47
-        assert s['optimizer steps per epoch'] == {'no accumulation': 47,
-            'fastai GradientAccumulation': 11, 'fastxtend_accum (log_accum_batch=True)': 12, 'fastxtend_accum (log_accum_batch=False)': 12,
-            "fastxtend_accum (normalize_by='samples')": 12, 'MicroBatching(fixed)': 12,
-            "MicroBatching(fixed, normalize_by='samples')": 12}
+        assert s['optimizer steps per epoch'] == {
+            'no accumulation': 47,
+            'fastai GradientAccumulation': 11,
+            'fastxtend_accum (log_accum_batch=True)': 12,
+            'fastxtend_accum (log_accum_batch=False)': 12,
+            "fastxtend_accum (normalize_by='samples')": 12,
+            'MicroBatching(fixed)': 12,
+            "MicroBatching(fixed, normalize_by='samples')": 12,
+        }
         assert s['loss records per fit (log_accum_batch True, False)'] == [12, 47]
         assert s['max |param diff| fastxtend_accum vs PyTorch loop (accumulation)'] < 1e-5
-        assert s['max |param diff| MicroBatching(fixed) vs PyTorch loop (accumulation)'] < 1e-5 # batches of 128 split in 4
+        # batches of 128 split in 4
+        assert s['max |param diff| MicroBatching(fixed) vs PyTorch loop (accumulation)'] < 1e-5
         assert s['max |param diff| PyTorch loop over the fastai loader vs PyTorch loop (accumulation)'] < 1e-5
-        assert s['max |param diff| fastxtend_accum vs fastai GradientAccumulation'] > 1e-4 # fastai's last window is not a mean
-        # the default reads the models' CrossEntropyLoss: it counts the targets (on the device), which here are the samples
+        # fastai's last window is not a mean
+        assert s['max |param diff| fastxtend_accum vs fastai GradientAccumulation'] > 1e-4
+        # the default reads the models' CrossEntropyLoss: it counts the targets (on the device), which here are the
+        # samples
         assert s["what normalize_by='auto' counted"] == 'TokenCount(ignore_index=-100)'
         assert s["max |param diff| normalize_by 'auto' vs 'samples'"] < 1e-5
 
@@ -86,11 +107,16 @@ def test_memory_quick(runs):
     rc,stdout,stderr = res['memory']
     assert rc == 0, stderr[-3000:]
     lines = ratio_lines(stdout)
-    for variant,ref in [('fastxtend_accum', 'micro-batches, no accumulation'), ('large batch', 'micro-batches, no accumulation'),
-                        ('fastai GradientAccumulation', 'micro-batches, no accumulation')]:
+    for variant, ref in [
+        ('fastxtend_accum', 'micro-batches, no accumulation'),
+        ('large batch', 'micro-batches, no accumulation'),
+        ('fastai GradientAccumulation', 'micro-batches, no accumulation'),
+    ]:
         hits = [l for l in lines if l.startswith(f'RATIO mlp: {variant} / {ref} = ')]
         assert len(hits) == 1, '\n'.join(lines)
-        assert re.search(rf'= {NUM} peak increase \[min \d+\.\d+, max \d+\.\d+\] \({NUM} absolute peak\)', hits[0]), hits[0]
+        assert re.search(rf'= {NUM} peak increase \[min \d+\.\d+, max \d+\.\d+\] \({NUM} absolute peak\)', hits[0]), (
+            hits[0]
+        )
     data = json.loads((out/'memory.json').read_text())
     assert (out/'memory.md').read_text().startswith('## Memory')
     m = data['models']['mlp']
@@ -106,7 +132,16 @@ def test_run_builds_readme_and_plots(runs):
                        env=dict(os.environ, MPLBACKEND='Agg'), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     readme = (out/'README.md').read_text()
-    for s in ('# Benchmarks', '**Machine:**', 'torch ', 'fastai ', '## Targets', '## Overhead', '## Memory', '![overhead](overhead.png)'):
+    for s in (
+        '# Benchmarks',
+        '**Machine:**',
+        'torch ',
+        'fastai ',
+        '## Targets',
+        '## Overhead',
+        '## Memory',
+        '![overhead](overhead.png)',
+    ):
         assert s in readme, s
     for png in ('overhead.png', 'memory.png'): assert (out/png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
@@ -114,8 +149,14 @@ def test_sharded_quick(tmp_path):
     """`bench/sharded.py --quick` (torchrun, 2 processes): DDP, FSDP2 and FSDP1 with both `grad_sync` choices side by side.
     Counts and bytes, not timings, so they are asserted: 'micro_batch' holds half of DDP's gradient, 'window' reduces the
     gradient once per window (DDP's bytes; 1/k of 'micro_batch''s)"""
-    p = subprocess.run([sys.executable, str(BENCH/'sharded.py'), '--quick', '--out', str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS='ignore'))
+    p = subprocess.run(
+        [sys.executable, str(BENCH / 'sharded.py'), '--quick', '--out', str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONWARNINGS='ignore'),
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = ratio_lines(p.stdout)
     for measure,variant,ref in [('peak gradient bytes per process', "FSDP2 'micro_batch'", 'DDP'),
@@ -139,12 +180,31 @@ def test_profile_runs(tmp_path):
     """`bench/profile_accum.py` runs: every part of a micro-batch timed with the library's event dispatch on, and each of the
     library's savings put back trains identically"""
     env = dict(os.environ, PYTHONWARNINGS='ignore', OMP_NUM_THREADS='1')
-    p = subprocess.run([sys.executable, str(BENCH/'profile_accum.py'), '--epochs', '1', '--reps', '1', '--out', str(tmp_path/'p.md')],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / 'profile_accum.py'),
+            '--epochs',
+            '1',
+            '--reps',
+            '1',
+            '--out',
+            str(tmp_path / 'p.md'),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     text = (tmp_path/'p.md').read_text()
-    rows = {k: (float(us), float(calls)) for k,us,calls in re.findall(r'^\| (.+?) \| (-?\d+\.\d+) \| (\d+\.\d+) \|$', text, re.M)}
-    # the library's dispatch ran on every micro-batch (its time, less the timer's own cost, is noise on a loaded machine)
+    rows = {
+        k: (float(us), float(calls))
+        for k, us, calls in re.findall(r'^\| (.+?) \| (-?\d+\.\d+) \| (\d+\.\d+) \|$', text, re.M)
+    }
+    # the library's dispatch ran on every micro-batch (its time, less the timer's own cost, is noise on a loaded
+    # machine)
     assert rows["event dispatch (the library's, while accumulating: Learner.__call__/_call_one, _Dispatch)"][1] >= 10
     assert "identical parameters (bitwise) in all: True; identical Recorder losses, lrs, values and iters: True" in text
     assert "fastai's event dispatch (Learner.__call__/_call_one)" in text and "fastai's _set_device" in text
@@ -154,8 +214,14 @@ def test_realmodel_quick(tmp_path):
     """`bench/realmodel.py --quick`: a transformer LM and a GroupNorm CNN, every way to train with both optimizers, 3 passes;
     on the CPU its targets print as 'not judged on CPU' and its results are named after the device"""
     env = dict(os.environ, PYTHONWARNINGS='ignore', OMP_NUM_THREADS='1')
-    p = subprocess.run([sys.executable, str(BENCH/'realmodel.py'), '--quick', '--out', str(tmp_path)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, str(BENCH / 'realmodel.py'), '--quick', '--out', str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     data = json.loads((tmp_path/'realmodel_cpu.json').read_text())
     assert data['device'] == 'cpu' and not data['amp'] and data['passes'] >= 3 and data['targets_met'] is None

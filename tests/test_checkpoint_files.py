@@ -9,7 +9,7 @@ import pytest, torch
 from fastai.basics import Learner, nn, Callback
 import fastai.callback.schedule # noqa: F401 (fit_one_cycle)
 from fastxtend_accum import resume as R
-from fastxtend_accum.resume import ResumeCheckpoint, CheckpointError, read_meta, file_digest
+from fastxtend_accum.resume import ResumeCheckpoint, CheckpointError, file_digest
 from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss, max_param_diff
 
 def learner(path, seed=0, n_hidden=32, **kw):

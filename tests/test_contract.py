@@ -5,13 +5,14 @@ bad counters and sizes; and on 2 processes (torchrun, gloo, bounded), cancels on
 FSDP2, and under DDP a before_backward term at orders 0, 10, 60, a sum-reduced loss and a zero class weight: replicas
 identical, equal to one process on the global windows without the cancelled micro-batches, with at most one small
 collective of the library's per window."""
-import math, os, subprocess, sys, warnings
+import math, os, subprocess, sys
 import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from contract import *
 
 EPS = 1e-10
+
 
 def assert_exact(large, accum, eps=EPS):
     d = compare(large, accum)
@@ -20,9 +21,13 @@ def assert_exact(large, accum, eps=EPS):
     for a,b in zip(accum.recorder.values, large.recorder.values): test_close(a, b, eps=1e-8)
 
 # (at, event, exception): the fit's first micro-batch, a middle one, a window's closing one
-CANCELS = {'first': ([(0,0)], 'before_batch', CancelBatchException), 'middle': ([(0,5),(1,9)], 'before_batch', CancelBatchException),
-           'closing': ([(0,7),(1,3)], 'before_batch', CancelBatchException), 'nan-guard': ([(0,3),(0,6)], 'after_loss', CancelBatchException),
-           'backward': ([(0,7),(1,1)], 'before_backward', CancelBackwardException)}
+CANCELS = {
+    'first': ([(0, 0)], 'before_batch', CancelBatchException),
+    'middle': ([(0, 5), (1, 9)], 'before_batch', CancelBatchException),
+    'closing': ([(0, 7), (1, 3)], 'before_batch', CancelBatchException),
+    'nan-guard': ([(0, 3), (0, 6)], 'after_loss', CancelBatchException),
+    'backward': ([(0, 7), (1, 1)], 'before_backward', CancelBackwardException),
+}
 
 @pytest.mark.parametrize('order', [0, 6, 50])
 @pytest.mark.parametrize('which', list(CANCELS))
@@ -72,7 +77,12 @@ def test_sum_reduced_losses_train_as_the_large_batch_sum(loss, cb):
     assert d['steps'][0] == d['steps'][1] and d['params'] < EPS and d['loss'] < (1e-3 if 'Flat' in loss else EPS), d
 
 def test_auto_says_it_found_a_sum(capsys):
-    fit(digits_learner(MICRO, n_train=N_TRAIN, loss_func=nn.CrossEntropyLoss(reduction='sum'), cbs=GradientAccumulation(ACCUM)), lr=1e-3)
+    fit(
+        digits_learner(
+            MICRO, n_train=N_TRAIN, loss_func=nn.CrossEntropyLoss(reduction='sum'), cbs=GradientAccumulation(ACCUM)
+        ),
+        lr=1e-3,
+    )
     assert "normalize_by='auto' counts a loss that sums its terms (reduction='sum')" in capsys.readouterr().out
 
 @pytest.mark.parametrize('mix', ['MixUp', 'CutMix'])
@@ -95,22 +105,38 @@ def test_bad_counters_and_sizes_name_the_parameter():
         def __repr__(self): return 'Complex()'
     test_fail(lambda: fit(digits_learner(MICRO, n_train=N_TRAIN, cbs=GradientAccumulation(ACCUM, normalize_by=Zero()))),
               contains='`normalize_by`=Zero() returned 0 for every micro-batch of a window')
-    test_fail(lambda: fit(digits_learner(MICRO, n_train=N_TRAIN, cbs=GradientAccumulation(ACCUM, normalize_by=Complex()))),
-              contains='`normalize_by`=Complex() returned tensor(1.+1.j)')
-    test_fail(lambda: GradientAccumulation(2**200), contains='`accum_bs`=1606938044258990275541962092341162602522202993782792835301376 is larger than')
+    test_fail(
+        lambda: fit(digits_learner(MICRO, n_train=N_TRAIN, cbs=GradientAccumulation(ACCUM, normalize_by=Complex()))),
+        contains='`normalize_by`=Complex() returned tensor(1.+1.j)',
+    )
+    test_fail(
+        lambda: GradientAccumulation(2**200),
+        contains='`accum_bs`=1606938044258990275541962092341162602522202993782792835301376 is larger than',
+    )
     test_fail(lambda: fit(digits_learner(MICRO, n_train=8, drop_last=True, cbs=GradientAccumulation(ACCUM))),
               contains='The training loader (`dls.train`) yields no micro-batch')
 
 # ---- two processes
 import contract_worker as W
 from test_distributed import free_port
-TIMEOUT = 420 # seconds for the whole launch on a loaded 2-core machine; a collective that hangs fails after W.PG_TIMEOUT s
+# seconds for the whole launch on a loaded 2-core machine; a collective that hangs fails after W.PG_TIMEOUT s
+TIMEOUT = 420
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp('contract')
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max_restarts=0', '--master_addr=127.0.0.1',
-           f'--master_port={free_port()}', os.path.join(HERE, 'contract_worker.py'), str(out), ','.join(W.CASES)]
+    cmd = [
+        sys.executable,
+        '-m',
+        'torch.distributed.run',
+        '--nproc_per_node=2',
+        '--max_restarts=0',
+        '--master_addr=127.0.0.1',
+        f'--master_port={free_port()}',
+        os.path.join(HERE, 'contract_worker.py'),
+        str(out),
+        ','.join(W.CASES),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=os.path.dirname(HERE),
                        env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore'))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
@@ -131,7 +157,8 @@ def reference(case:str)->tuple[list,int]:
             if 'l2' in v: loss = loss + W.LAM*sum((p**2).sum() for p in model.parameters())
             if not torch.isfinite(loss): continue # 'nan': the guard skips the step
             with torch.no_grad():
-                for p,g in zip(model.parameters(), torch.autograd.grad(loss, list(model.parameters()))): p -= W.lr(case)*g
+                for p, g in zip(model.parameters(), torch.autograd.grad(loss, list(model.parameters()))):
+                    p -= W.lr(case) * g
             steps += 1
     return [p.detach() for p in model.parameters()],steps
 
@@ -141,8 +168,13 @@ def reference_temperatures(case:str)->tuple[list,int,list]:
     ts = [torch.tensor(1., dtype=torch.float64, requires_grad=True) for _ in range(2)]
     for epoch in range(W.N_EPOCH):
         for w in range(math.ceil(len(data[0])/W.ACCUM_BS)): # the last window short
-            losses = [F.cross_entropy(model(torch.stack([x for x,_ in d[W.ACCUM_BS*w:W.ACCUM_BS*(w+1)]]))*t,
-                                      torch.stack([y for _,y in d[W.ACCUM_BS*w:W.ACCUM_BS*(w+1)]])) for d,t in zip(data, ts)]
+            losses = [
+                F.cross_entropy(
+                    model(torch.stack([x for x, _ in d[W.ACCUM_BS * w : W.ACCUM_BS * (w + 1)]])) * t,
+                    torch.stack([y for _, y in d[W.ACCUM_BS * w : W.ACCUM_BS * (w + 1)]]),
+                )
+                for d, t in zip(data, ts)
+            ]
             gm = [torch.autograd.grad(l, list(model.parameters()), retain_graph=True) for l in losses]
             gt = [torch.autograd.grad(l, [t])[0] for l,t in zip(losses, ts)]
             with torch.no_grad():

@@ -11,43 +11,81 @@ pytestmark = [pytest.mark.multiprocess]
 from test_distributed import free_port, ENV, HERE
 
 WORKER = os.path.join(HERE, 'dealing_worker.py')
-TIMEOUT = 300 # seconds for a launch (4 processes on 2 loaded cores); a collective that hangs fails after the group's timeout
-CASES = {1: ['large', 'large_keep', 'ga', 'ga_keep', 'gas', 'gas_large', 'sampler_large', 'sampler_large_keep', 'sampler'],
-         2: ['ga', 'ga_keep', 'gas', 'ga_contiguous', 'sampler', 'sampler_keep', 'sampler_contiguous'],
-         4: ['ga', 'ga_keep', 'gas', 'sampler', 'sampler_keep']}
+# seconds for a launch (4 processes on 2 loaded cores); a collective that hangs fails after the group's timeout
+TIMEOUT = 300
+CASES = {
+    1: ['large', 'large_keep', 'ga', 'ga_keep', 'gas', 'gas_large', 'sampler_large', 'sampler_large_keep', 'sampler'],
+    2: ['ga', 'ga_keep', 'gas', 'ga_contiguous', 'sampler', 'sampler_keep', 'sampler_contiguous'],
+    4: ['ga', 'ga_keep', 'gas', 'sampler', 'sampler_keep'],
+}
 
 CASES_RUN = {(c, w) for w,cs in CASES.items() for c in cs}
 
 def run(cmd):
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT='120'), cwd=os.path.dirname(HERE))
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=dict(ENV, FXA_PG_TIMEOUT='120'),
+        cwd=os.path.dirname(HERE),
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp('dealing')
     for world,cases in CASES.items():
-        if world == 1: run([sys.executable, WORKER, str(out), ','.join(cases)])
-        else: run([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={world}', '--master_addr=127.0.0.1',
-                   f'--master_port={free_port()}', WORKER, str(out), ','.join(cases)])
+        if world == 1:
+            run([sys.executable, WORKER, str(out), ','.join(cases)])
+        else:
+            run(
+                [
+                    sys.executable,
+                    '-m',
+                    'torch.distributed.run',
+                    f'--nproc_per_node={world}',
+                    '--master_addr=127.0.0.1',
+                    f'--master_port={free_port()}',
+                    WORKER,
+                    str(out),
+                    ','.join(cases),
+                ]
+            )
     return {(c, w): torch.load(out/f'{c}-w{w}.pt') for w,cs in CASES.items() for c in cs}
 
 def diffs(r, ref):
-    assert [(e, n) for e,n,_ in r['steps']] == [(e, n) for e,n,_ in ref['steps']] # the same steps, each on as many samples
+    # the same steps, each on as many samples
+    assert [(e, n) for e,n,_ in r['steps']] == [(e, n) for e,n,_ in ref['steps']]
     lr = max(abs(a[2]-b[2]) for a,b in zip(r['steps'], ref['steps']))
     w = max(float((p-q).abs().max()) for p,q in zip(r['params'], ref['params']))
     return lr,w
 
-@pytest.mark.parametrize('case,ref,world', [(c, r, w) for c,r in [('ga', 'large'), ('ga_keep', 'large_keep'), ('gas', 'gas_large'),
-                                                                  ('sampler', 'sampler_large'), ('sampler_keep', 'sampler_large_keep')]
-                                             for w in (1, 2, 4) if (c, w) in CASES_RUN])
+@pytest.mark.parametrize(
+    'case,ref,world',
+    [
+        (c, r, w)
+        for c, r in [
+            ('ga', 'large'),
+            ('ga_keep', 'large_keep'),
+            ('gas', 'gas_large'),
+            ('sampler', 'sampler_large'),
+            ('sampler_keep', 'sampler_large_keep'),
+        ]
+        for w in (1, 2, 4)
+        if (c, w) in CASES_RUN
+    ],
+)
 def test_same_run_on_any_number_of_processes(runs, case, ref, world):
     """GradientAccumulation against one process with batches of accum_bs, and the schedule against one process whose batches
     are the schedule's size in each epoch, both without accumulation"""
     r,base = runs[case, world],runs[ref, 1]
     lr,w = diffs(r, base)
     held = sorted(set(n for _,n,_ in r['steps']))
-    print(f'{case} on {world} process(es) vs {ref} on one: {len(r["steps"])} steps of {held} samples, max |lr diff| {lr:.2g}, '
-          f'max |param diff| {w:.3g}')
+    print(
+        f'{case} on {world} process(es) vs {ref} on one: {len(r["steps"])} steps of {held} samples, max |lr diff| {lr:.2g}, '
+        f'max |param diff| {w:.3g}'
+    )
     assert lr < 1e-12 and w < 1e-8
     assert r['losses'] == pytest.approx(base['losses'], rel=0, abs=1e-10) # the Recorder's loss per step
 
@@ -55,7 +93,11 @@ def test_shapes_of_the_runs(runs):
     "What the runs hold: 15 windows of 64 and a dropped tail of 40 an epoch; kept, a last window of 40; the schedule's jump"
     assert [n for _,n,_ in runs['large', 1]['steps']] == [64]*30
     assert [n for _,n,_ in runs['large_keep', 1]['steps']] == ([64]*15 + [40])*2
-    assert [n for _,n,_ in runs['gas', 1]['steps']] == [n for _,n,_ in runs['gas_large', 1]['steps']] == [32]*32 + [128]*8
+    assert (
+        [n for _, n, _ in runs['gas', 1]['steps']]
+        == [n for _, n, _ in runs['gas_large', 1]['steps']]
+        == [32] * 32 + [128] * 8
+    )
     assert len(set(lr for _,_,lr in runs['large', 1]['steps'])) > 20 # fit_one_cycle moves the lr every step
 
 def test_contiguous_shares_differ(runs):
@@ -70,11 +112,14 @@ def test_sampler_left_alone_pads(runs):
     r,ref = runs['sampler_contiguous', 2],runs['sampler_large', 1]
     assert [n for _,n,_ in ref['steps']] == [64]*30 and [n for _,n,_ in r['steps']] == [64]*32
     w = max(float((p-q).abs().max()) for p,q in zip(r['params'], ref['params']))
-    print(f'sampler_contiguous on 2 processes vs sampler_large on one: {len(r["steps"])} steps against 30, max |param diff| {w:.3g}')
+    print(
+        f'sampler_contiguous on 2 processes vs sampler_large on one: {len(r["steps"])} steps against 30, max |param diff| {w:.3g}'
+    )
     assert w > 1e-4
     assert [n for _,n,_ in runs['sampler_large_keep', 1]['steps']] == ([64]*15 + [40])*2
 
 def test_sampler_copy_trains(runs):
     "The dealt runs train on the copy (one for both epochs: persistent workers would stay up); deal_windows=False on the user's"
-    for w in (2, 4): assert runs['sampler', w]['loaders'] == ['WindowDealtSampler']*2 and runs['sampler', w]['one_loader']
+    for w in (2, 4):
+        assert runs['sampler', w]['loaders'] == ['WindowDealtSampler'] * 2 and runs['sampler', w]['one_loader']
     assert runs['sampler', 1]['loaders'] == runs['sampler_contiguous', 2]['loaders'] == ['DistributedSampler']*2

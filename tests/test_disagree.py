@@ -2,6 +2,7 @@
 on process 0, are found in one all-reduce before the epoch's first collective they would disagree on (the dealt order's
 broadcast, the windows' all-reduces): every process raises `ProcessesDisagree` naming the values and the processes, within
 seconds; before, process 1 aborted in gloo's C++ (SIGABRT, "collective mismatch"). Worker: `disagree_worker.py`."""
+
 import json, os, subprocess, sys, time
 import pytest
 from test_distributed import free_port, ENV, HERE
@@ -15,10 +16,20 @@ def test_every_process_names_what_differs(tmp_path, case, says):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
            f'--master_port={free_port()}', WORKER, str(tmp_path), case]
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT='60'), cwd=os.path.dirname(HERE))
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=dict(ENV, FXA_PG_TIMEOUT='60'),
+        cwd=os.path.dirname(HERE),
+    )
     wall = time.time() - t0
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:] # no abort: each process raised, and the script went on
+    # no abort: each process raised, and the script went on
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     for r in range(2):
         o = json.loads((tmp_path/f'{case}-rank{r}.json').read_text())
-        print(f'{case}: process {r} raised {o["error"]} after {o["steps"]} steps ({wall:.1f} s launch): {o["message"].splitlines()[-1][:240]}')
+        print(
+            f'{case}: process {r} raised {o["error"]} after {o["steps"]} steps ({wall:.1f} s launch): {o["message"].splitlines()[-1][:240]}'
+        )
         assert o['error'] == 'ProcessesDisagree' and says in o['message'] and o['steps'] == 0, o

@@ -2,6 +2,7 @@
 twice, once with fastai's `Learner.__call__`/`_call_one` put back, records every call of every callback (event, callback,
 `training`, iteration), including cancels, a callback added and one removed mid-fit, `run=False`, `run_train=False`, an
 overridden `__call__`, a method set on an instance, and an exception a callback raises (same type, same message)."""
+
 import contextlib
 import pytest
 from fastai.basics import *
@@ -84,7 +85,8 @@ class Stops(rec_class('StopsBase', ALL)):
         if ev == 'before_epoch' and self.learn.epoch == 1: self.run = False
 
 TrainOnly = rec_class('TrainOnly', ['before_batch', 'after_pred', 'after_batch', 'after_validate'], run_train=False,
-                      training=property(lambda self: self.learn.training)) # `training` on the class: read, not fallen through
+                      # `training` on the class: read, not fallen through
+                      training=property(lambda self: self.learn.training))
 
 class OwnCall(rec_class('OwnCallBase', ['before_batch', 'after_batch', 'after_step'])):
     "Overrides `__call__`: called through it"

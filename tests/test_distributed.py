@@ -31,8 +31,16 @@ def launch(cmd, out, cases, env=ENV):
 def runs(tmp_path_factory):
     "Run every case once on 2 processes (torchrun); what each rank wrote, by case, and the launcher's output"
     out = tmp_path_factory.mktemp('ddp')
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-           f'--master_port={free_port()}', WORKER, str(out)]
+    cmd = [
+        sys.executable,
+        '-m',
+        'torch.distributed.run',
+        '--nproc_per_node=2',
+        '--master_addr=127.0.0.1',
+        f'--master_port={free_port()}',
+        WORKER,
+        str(out),
+    ]
     res,stdout = launch(cmd, out, W.CASES)
     print(stdout)
     return res,stdout
@@ -43,9 +51,15 @@ def bucket_reference():
     b0,b1 = W.bucket_batches(0),W.bucket_batches(1)
     glob = [sum(b0[:6] + b1[:6], []), sum(b0[6:] + b1[6:], [])]
     trn,val = W.digits_split()
-    dls = DataLoaders(torch.utils.data.DataLoader(trn, batch_sampler=glob), W.FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
+    dls = DataLoaders(
+        torch.utils.data.DataLoader(trn, batch_sampler=glob), W.FastaiDataLoader(val, bs=64, device='cpu'), device='cpu'
+    )
     from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
-    return Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=Float64SmoothLoss())
+
+    return Learner(
+        dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=Float64SmoothLoss()
+    )
+
 
 def reference(case):
     "One process, no accumulation, trained on the global batches the two processes' windows make up"
@@ -59,8 +73,12 @@ def reference(case):
         shards = W.shards(**W.UNEVEN) if case == 'uneven' else W.shards(300)
         trn,val = W.digits_split(300)
         order = global_order([list(s) for s in shards], W.ACCUM_BS)
-        learn = W.digits_learner_on([trn[i] for i in order], val, 2*W.ACCUM_BS,
-                                    loss_func=nn.CrossEntropyLoss(weight=W.CLASS_WEIGHTS) if case == 'weighted' else None)
+        learn = W.digits_learner_on(
+            [trn[i] for i in order],
+            val,
+            2 * W.ACCUM_BS,
+            loss_func=nn.CrossEntropyLoss(weight=W.CLASS_WEIGHTS) if case == 'weighted' else None,
+        )
     with learn.no_logging(), learn.no_bar(): learn.fit(W.N_EPOCH)
     return learn
 
@@ -96,13 +114,17 @@ def twin(case:str, orders:list)->dict:
     fastai's loop with no accumulation on batches that are the global windows (`GradientAccumulation`), or the global
     batches (`MicroBatching`); for the schedule, `GradientAccumulationSchedule` with windows twice as large on micro-batches
     that are both processes' micro-batch `i`. Same model, optimizer and `fit_one_cycle` as the workers"""
-    if case in W.SAMPLERS: bs,(window,kind),drop,n = W.MICRO_BS,(W.ACCUM_BS, None),W.SAMPLERS[case]['loader_drop'],W.SAMPLER_N
+    if case in W.SAMPLERS:
+        bs, (window, kind), drop, n = W.MICRO_BS, (W.ACCUM_BS, None), W.SAMPLERS[case]['loader_drop'], W.SAMPLER_N
     else: bs,(window,kind),drop,n = W.DEFAULTS[case][1],W.TWINS[case],True,1500
     glob = [global_order(o, window, bs, drop) for o in orders]
     dls = digits_default_dls(W.MICRO_BS, n_train=n)
     cb = None if kind is None else W.make_callback(kind, world=2)
-    learn = W.default_learner(2*window, [] if cb is None else [cb],
-                              dls=DataLoaders(Replay(dls.train.dataset, glob, 2*window, drop_last=drop), dls.valid, device='cpu'))
+    learn = W.default_learner(
+        2 * window,
+        [] if cb is None else [cb],
+        dls=DataLoaders(Replay(dls.train.dataset, glob, 2 * window, drop_last=drop), dls.valid, device='cpu'),
+    )
     return W.fit_recorded(learn, W.one_cycle, cb)
 
 def hp_diff(a:dict, b:dict, hp:str)->float:
@@ -113,12 +135,15 @@ def compare_with_twin(r0:dict, r1:dict, case:str)->tuple:
     "The largest lr and parameter differences of a two-process run from its one-process twin, after checking the sample orders"
     orders = expected_orders(case)
     for r in (r0, r1): assert len(r['orders']) == len(orders)
-    assert [[r0['orders'][e], r1['orders'][e]] for e in range(len(orders))] == orders # the workers trained on these samples
+    # the workers trained on these samples
+    assert [[r0['orders'][e], r1['orders'][e]] for e in range(len(orders))] == orders
     ref = twin(case, orders)
     return hp_diff(r0, ref, 'lr'),hp_diff(r0, ref, 'mom'),max_diff(r0['params'], ref['params']),ref
 
-@pytest.mark.parametrize('case,n_steps,starts', [('samples', 6, [0,4,8]), ('tokens', 10, [0,2,4,6,8]), ('weighted', 6, [0,4,8]),
-                                                  ('uneven', 6, [0,4,8])])
+@pytest.mark.parametrize(
+    'case,n_steps,starts',
+    [('samples', 6, [0, 4, 8]), ('tokens', 10, [0, 2, 4, 6, 8]), ('weighted', 6, [0, 4, 8]), ('uneven', 6, [0, 4, 8])],
+)
 def test_two_processes_match_one(runs, case, n_steps, starts):
     res,_ = runs
     r0,r1 = res[case]
@@ -133,7 +158,10 @@ def test_two_processes_match_one(runs, case, n_steps, starts):
     assert r0['n_syncs'] == r1['n_syncs'] == n_steps # one all-reducing backward per step: the others ran in `no_sync`
     assert r0['n_allreduce'] == r1['n_allreduce'] == n_steps # of one bucket: one gradient all-reduce per step
     # rank 0 logs the loss of the global batch
-    assert torch.allclose(torch.tensor(r0['losses'], dtype=torch.float64), torch.stack(ref.recorder.losses), rtol=0, atol=1e-10)
+    assert torch.allclose(
+        torch.tensor(r0['losses'], dtype=torch.float64), torch.stack(ref.recorder.losses), rtol=0, atol=1e-10
+    )
+
 
 @pytest.mark.parametrize('case', ['tokens', 'uneven'])
 def test_local_counts_are_not_exact(runs, case):
@@ -146,10 +174,16 @@ def test_local_counts_are_not_exact(runs, case):
 def test_effective_batch_is_logged_once_by_rank_0(runs):
     _,out = runs
     lines = [l.split(': ', 1)[1] for l in out.splitlines() if 'samples per optimizer step' in l]
-    expected = ['accum_bs=32 samples per process x 2 processes = 64 samples per optimizer step' if c in ('tokens', 'default_gas')
-                else 'accum_bs=64 samples per process x 2 processes = 128 samples per optimizer step'
-                for c in W.CASES if c not in ('tokens_local', 'uneven_local', 'default_micro')] # MicroBatching says nothing
-    assert lines == [f"{l} (see {doc_link('global-bs')})" for l in expected] # one per fit, none from rank 1; with its link
+    expected = [
+        'accum_bs=32 samples per process x 2 processes = 64 samples per optimizer step'
+        if c in ('tokens', 'default_gas')
+        else 'accum_bs=64 samples per process x 2 processes = 128 samples per optimizer step'
+        # MicroBatching says nothing
+        for c in W.CASES
+        if c not in ('tokens_local', 'uneven_local', 'default_micro')
+    ]
+    # one per fit, none from rank 1; with its link
+    assert lines == [f"{l} (see {doc_link('global-bs')})" for l in expected]
 
 def test_windows_that_cannot_line_up_raise_instead_of_hanging(runs):
     "Loaders of 10 and 9 micro-batches: DDP would wait forever for an all-reduce; both processes raise at `before_train`"
@@ -170,8 +204,11 @@ def test_bucketed_sizes_close_windows_together(runs, case):
     print(f'{case}: max |param diff| vs one process on the global batches {d:.3g}')
     assert d < 1e-8
     assert r0['n_steps'] == r1['n_steps'] == len(ref.recorder.losses) == 2*W.N_EPOCH # windows of 144 and 112 samples
-    assert r0['n_allreduce'] == r1['n_allreduce'] == 2*W.N_EPOCH # still one gradient all-reduce per step
-    assert torch.allclose(torch.tensor(r0['losses'], dtype=torch.float64), torch.stack(ref.recorder.losses), rtol=0, atol=1e-10)
+    assert r0['n_allreduce'] == r1['n_allreduce'] == 2*W.N_EPOCH  # still one gradient all-reduce per step
+    assert torch.allclose(
+        torch.tensor(r0['losses'], dtype=torch.float64), torch.stack(ref.recorder.losses), rtol=0, atol=1e-10
+    )
+
 
 def test_a_plan_read_ahead_that_proves_wrong_stops_every_process(runs):
     "Both processes planned [16]*8 from a copy of their batch sampler; process 1's then yields [8]*7+[72]: both raise at once"
@@ -186,12 +223,27 @@ def test_a_loader_that_breaks_its_plan_stops_every_process(tmp_path):
     [8]*7+[72]: that process raises at its first micro-batch, naming the sizes, and the launch ends then. Process 0, already
     in the window's all-reduce, is ended by torchrun, not by a timeout: the process-group timeout is 120 s here, and the
     whole launch is given 60 s, so a hang fails the test"""
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max_restarts=0', '--master_addr=127.0.0.1',
-           f'--master_port={free_port()}', WORKER, str(tmp_path), 'certain_drift']
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=dict(ENV, FXA_PG_TIMEOUT='120'), cwd=os.path.dirname(HERE))
+    cmd = [
+        sys.executable,
+        '-m',
+        'torch.distributed.run',
+        '--nproc_per_node=2',
+        '--max_restarts=0',
+        '--master_addr=127.0.0.1',
+        f'--master_port={free_port()}',
+        WORKER,
+        str(tmp_path),
+        'certain_drift',
+    ]
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=60, env=dict(ENV, FXA_PG_TIMEOUT='120'), cwd=os.path.dirname(HERE)
+    )
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
-    assert "Process 1's training loader yielded a micro-batch of 8 samples where its plan expected 16" in out, out[-5000:]
+    assert "Process 1's training loader yielded a micro-batch of 8 samples where its plan expected 16" in out, out[
+        -5000:
+    ]
+
 
 def check_samples_run(res, how):
     "The `samples` case, however it was launched, equals one process on the global batches"
@@ -207,31 +259,50 @@ def check_default_runs(res, how):
     for case in W.DEFAULTS:
         r0,r1 = res[case]
         lr,mom,d,ref = compare_with_twin(r0, r1, case)
-        print(f'{how}, {case}: {r0["n_steps"]} steps; max |lr diff| {lr:.2g}, max |param diff| {d:.2g} vs one process on the global windows')
+        print(
+            f'{how}, {case}: {r0["n_steps"]} steps; max |lr diff| {lr:.2g}, max |param diff| {d:.2g} vs one process on the global windows'
+        )
         assert r0['n_steps'] == r1['n_steps'] == ref['n_steps']
         assert lr < 1e-12 and mom < 1e-12 and d < 1e-8
         assert max_diff(r0['params'], r1['params']) < 1e-12
-        for r in (r0, r1): assert not [w for w in r['warnings'] if 'mid-window' in w or 'not known ahead' in w], r['warnings']
+        for r in (r0, r1):
+            assert not [w for w in r['warnings'] if 'mid-window' in w or 'not known ahead' in w], r['warnings']
+
 
 @pytest.mark.slow
 def test_accelerate_launch(tmp_path):
     """The documented `accelerate launch`, with no config file (HF_HOME in the test's tmp dir): 2 processes on gloo, the
     `samples` case and each callback on fastai's default loaders under `distrib_ctx`"""
     cases = ['samples', *W.DEFAULTS]
-    cmd = [sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes=2', '--num_machines=1',
-           '--mixed_precision=no', '--dynamo_backend=no', '--main_process_ip=127.0.0.1', f'--main_process_port={free_port()}',
-           WORKER, str(tmp_path), ','.join(cases)]
+    cmd = [
+        sys.executable,
+        '-m',
+        'accelerate.commands.launch',
+        '--multi_gpu',
+        '--num_processes=2',
+        '--num_machines=1',
+        '--mixed_precision=no',
+        '--dynamo_backend=no',
+        '--main_process_ip=127.0.0.1',
+        f'--main_process_port={free_port()}',
+        WORKER,
+        str(tmp_path),
+        ','.join(cases),
+    ]
     res,_ = launch(cmd, tmp_path, cases, env=dict(ENV, HF_HOME=str(tmp_path/'hf')))
     check_samples_run(res, 'accelerate launch')
     check_default_runs(res, 'accelerate launch')
 
 def _nbclient():
-    try: import nbclient, nbformat, ipykernel
+    try: import nbclient, nbformat, ipykernel  # noqa: F401 (is it installed)
     except ImportError: return None
     return nbclient,nbformat
 
-@pytest.mark.skipif(_nbclient() is None, reason="nbclient and ipykernel (a Jupyter kernel) are installed in the notebook "
-                    "toolchain's environment (.venv-nbdev) only: this test runs there")
+@pytest.mark.skipif(
+    _nbclient() is None,
+    reason="nbclient and ipykernel (a Jupyter kernel) are installed in the notebook "
+    "toolchain's environment (.venv-nbdev) only: this test runs there",
+)
 @pytest.mark.slow
 def test_notebook_launcher(tmp_path):
     """`notebook_launcher(train, num_processes=2)` with `distrib_ctx(in_notebook=True)`, from a notebook that a real Jupyter
@@ -239,7 +310,9 @@ def test_notebook_launcher(tmp_path):
     global windows. Bounded: each cell by nbclient's timeout, each collective by the process-group timeout"""
     nbclient,nbformat = _nbclient()
     nb = nbformat.read(os.path.join(HERE, 'notebook_launcher.ipynb'), as_version=4)
-    env = dict(FXA_OUT=str(tmp_path), FXA_PORT=str(free_port()), FXA_TESTS=HERE, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
+    env = dict(
+        FXA_OUT=str(tmp_path), FXA_PORT=str(free_port()), FXA_TESTS=HERE, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore'
+    )
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env) # the kernel starts with this process's environment
     try:
@@ -252,18 +325,35 @@ def test_notebook_launcher(tmp_path):
             else: os.environ[k] = v
     out = ''.join(o.get('text', '') for c in nb.cells if c.cell_type == 'code' for o in c.get('outputs', []))
     print(out)
-    assert out.startswith('Launching training on 2 ') and out.count('Training Learner...') == len(W.DEFAULTS) # rank 0 of each fit
+    # rank 0 of each fit
+    assert out.startswith('Launching training on 2 ') and out.count('Training Learner...') == len(W.DEFAULTS)
     res = {c: [torch.load(tmp_path/f'{c}-rank{r}.pt') for r in range(2)] for c in W.DEFAULTS}
     check_default_runs(res, 'notebook_launcher')
 
 def test_two_nodes(tmp_path):
     "Two torchrun 'nodes' of one process each, meeting at a c10d rendezvous on 127.0.0.1"
     port = free_port()
-    cmd = lambda node: [sys.executable, '-m', 'torch.distributed.run', '--nnodes=2', '--nproc_per_node=1', f'--node_rank={node}',
-                        '--rdzv_backend=c10d', f'--rdzv_endpoint=127.0.0.1:{port}', '--rdzv_id=fxa-two-nodes',
-                        '--max_restarts=0', WORKER, str(tmp_path), 'samples']
-    procs = [subprocess.Popen(cmd(n), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=os.path.dirname(HERE))
-             for n in (0, 1)]
+    cmd = lambda node: [
+        sys.executable,
+        '-m',
+        'torch.distributed.run',
+        '--nnodes=2',
+        '--nproc_per_node=1',
+        f'--node_rank={node}',
+        '--rdzv_backend=c10d',
+        f'--rdzv_endpoint=127.0.0.1:{port}',
+        '--rdzv_id=fxa-two-nodes',
+        '--max_restarts=0',
+        WORKER,
+        str(tmp_path),
+        'samples',
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd(n), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=os.path.dirname(HERE)
+        )
+        for n in (0, 1)
+    ]
     try: outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
     finally:
         for p in procs:
@@ -290,7 +380,8 @@ def test_default_loaders_match_one_process(runs, case):
     assert max_diff(r0['params'], r1['params']) < 1e-12
     assert r0['plan'] == r1['plan'] # the same windows, planned ahead on each process (None: MicroBatching)
     if case == 'default_gas': assert r0['plan'] == ref['plan'] # the twin's windows, on global micro-batches
-    elif case != 'default_micro': assert r0['plan'] == list(range(0, 4*r0['n_steps']//3, 4)) # windows of 4 micro-batches
+    # windows of 4 micro-batches
+    elif case != 'default_micro': assert r0['plan'] == list(range(0, 4*r0['n_steps']//3, 4))
     for r in (r0, r1): # no window dropped mid-way, and the schedule counted in optimizer steps
         assert not [w for w in r['warnings'] if 'mid-window' in w or 'not known ahead' in w], r['warnings']
 

@@ -1,5 +1,5 @@
 "Every public symbol is documented: a docstring, its parameters described (docments), and a page in the docs"
-import ast, importlib, inspect, json, re
+import ast, inspect, json, re
 from pathlib import Path
 import pytest
 pytestmark = [pytest.mark.one_env]
@@ -36,7 +36,8 @@ def test_docstring(modname, name, obj):
 @pytest.mark.parametrize('modname,name,obj', SYMBOLS, ids=[f'{m}.{n}' for m,n,_ in SYMBOLS])
 def test_parameters_documented(modname, name, obj):
     "Every parameter of a public function or class constructor has a docments comment (or the docstring names it)"
-    f = vars(obj).get('__init__') if inspect.isclass(obj) else obj # an inherited constructor is documented where it is defined
+    # an inherited constructor is documented where it is defined
+    f = vars(obj).get('__init__') if inspect.isclass(obj) else obj
     if not inspect.isfunction(f): return
     doc = inspect.getdoc(obj) or ''
     params = [p for p in inspect.signature(f).parameters.values()
@@ -63,9 +64,12 @@ def signature_lines(obj)->list[str]:
     lines = []
     for p in inspect.signature(obj).parameters.values():
         s = str(p.replace(annotation=p.empty, default=p.empty))
-        if p.annotation is not p.empty: s += ':' + (p.annotation if isinstance(p.annotation, str) else inspect.formatannotation(p.annotation))
-        if p.default is not p.empty: # functions and classes by name, as show_doc writes them
-            s += '=' + (p.default.__name__ if inspect.isfunction(p.default) or inspect.isclass(p.default) else repr(p.default))
+        if p.annotation is not p.empty:
+            s += ':' + (p.annotation if isinstance(p.annotation, str) else inspect.formatannotation(p.annotation))
+        if p.default is not p.empty:  # functions and classes by name, as show_doc writes them
+            s += '=' + (
+                p.default.__name__ if inspect.isfunction(p.default) or inspect.isclass(p.default) else repr(p.default)
+            )
         lines.append(f'    {s},' + (f' # {comments[p.name]}' if comments.get(p.name) else ''))
     return lines
 
@@ -111,18 +115,30 @@ def test_show_doc_renders():
 # --- notebooks committed with their outputs (`make notebooks`), as the docs pages and README show them
 NBS = ROOT/'nbs'
 # the pages whose outputs are committed: the home page, the examples, the guides (module notebooks may follow)
-EXAMPLES = ['index.ipynb', 'differences.ipynb', 'migrating.ipynb'] + sorted(p.name for p in NBS.glob('examples.*.ipynb'))
+EXAMPLES = ['index.ipynb', 'differences.ipynb', 'migrating.ipynb'] + sorted(
+    p.name for p in NBS.glob('examples.*.ipynb')
+)
 # a top-level line that prints, plots or trains with fastai's progress table: its cell must show something
-_re_shows = re.compile(r'^(?!def |class |#|\s|from |import ).*(\bprint\(|\bplot|\.fit_one_cycle\(|\.fit\(|\.lr_find\()', re.M)
-BAD_OUTPUT = {'\r': 'a carriage return (progress-bar frames)', '\u2588': 'a progress-bar block', '<progress': 'an HTML progress bar',
-              'Warning': 'a warning', 'Traceback': 'a traceback'}
+_re_shows = re.compile(
+    r'^(?!def |class |#|\s|from |import ).*(\bprint\(|\bplot|\.fit_one_cycle\(|\.fit\(|\.lr_find\()', re.M
+)
+BAD_OUTPUT = {
+    '\r': 'a carriage return (progress-bar frames)',
+    '\u2588': 'a progress-bar block',
+    '<progress': 'an HTML progress bar',
+    'Warning': 'a warning',
+    'Traceback': 'a traceback',
+}
 
 def code_cells(nb:str):
     for c in json.loads((NBS/nb).read_text())['cells']:
         if c['cell_type'] == 'code': yield c, ''.join(c['source'])
 
 def output_text(o)->str:
-    return ''.join(o.get('text', [])) + ''.join(''.join(v) for k,v in (o.get('data') or {}).items() if k.startswith('text/'))
+    return ''.join(o.get('text', [])) + ''.join(
+        ''.join(v) for k, v in (o.get('data') or {}).items() if k.startswith('text/')
+    )
+
 
 def test_example_pages_listed():
     "The example pages exist and the docs' sidebar lists each of them"
@@ -149,7 +165,9 @@ def test_outputs_clean(nb):
             assert o.get('output_type') != 'error', f'{nb}: an error output in\n{src}'
             assert not (o.get('output_type') == 'stream' and o.get('name') == 'stderr'), f'{nb}: stderr in\n{src}'
             text = output_text(o)
-            for s,what in BAD_OUTPUT.items(): assert s not in text, f'{nb}: {what} in the output of\n{src}\n{text[:500]}'
+            for s, what in BAD_OUTPUT.items():
+                assert s not in text, f'{nb}: {what} in the output of\n{src}\n{text[:500]}'
+
 
 def test_figures_in_examples():
     "The examples show plots: digits' loss curves, the schedule's plot_sched, lr_find on the migrating page"
@@ -169,7 +187,10 @@ def test_readme_from_index():
     "README.md is what `make readme` writes from nbs/index.ipynb (nbconvert: the notebook toolchain's environment)"
     pytest.importorskip('nbconvert', reason='nbconvert is in the notebook toolchain (.venv-nbdev) only')
     import subprocess, sys
-    p = subprocess.run([sys.executable, str(ROOT/'tools'/'readme.py'), '--check'], capture_output=True, text=True, cwd=ROOT)
+
+    p = subprocess.run(
+        [sys.executable, str(ROOT / 'tools' / 'readme.py'), '--check'], capture_output=True, text=True, cwd=ROOT
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
 
 def test_fastai_symbols_link_to_fastai():
@@ -180,7 +201,12 @@ def test_fastai_symbols_link_to_fastai():
         for c in json.loads(nb.read_text())['cells']:
             if c['cell_type'] != 'markdown': continue
             md = lookup.linkify(''.join(c['source']))
-            bad += [f'{nb.name}: {m}' for m in re.findall(r"fastai's (?:built-in )?\[+`?GradientAccumulation`?\]\(https://fastxtend[^)]*\)", md)]
+            bad += [
+                f'{nb.name}: {m}'
+                for m in re.findall(
+                    r"fastai's (?:built-in )?\[+`?GradientAccumulation`?\]\(https://fastxtend[^)]*\)", md
+                )
+            ]
             bad += [f'{nb.name}: a link inside a link: {m}' for m in re.findall(r'\[\[[^\]]*\]\([^)]*\)\]', md)]
     assert not bad, '\n'.join(bad)
 
@@ -188,11 +214,16 @@ def imports_and_other_code(src:str)->bool:
     """nbdev's rule (`nbdev.processors._do_eval`): a cell that is not exported and holds an import and other code is run
     whole while the docs are processed, and warns "Found cells containing imports and other code" (a fit in such a cell
     trains while building the docs, and its progress bar lands on the page)"""
-    if re.search(r'^#\|\s*(export|exports|exporti|exec_doc)\b', src, re.M) or re.search(r'^#\|\s*eval:\s*false', src, re.M|re.I):
+    if re.search(r'^#\|\s*(export|exports|exporti|exec_doc)\b', src, re.M) or re.search(
+        r'^#\|\s*eval:\s*false', src, re.M | re.I
+    ):
         return False
     src = '\n'.join('' if re.match(r'\s*[!%]', l) else l for l in src.splitlines()) # IPython's shell and magic lines
     nodes = list(ast.walk(ast.parse(src)))
-    return any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in nodes) and any(isinstance(n, (ast.Expr, ast.Assign)) for n in nodes)
+    return any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in nodes) and any(
+        isinstance(n, (ast.Expr, ast.Assign)) for n in nodes
+    )
+
 
 @pytest.mark.parametrize('nb', sorted(p.name for p in NBS.glob('*.ipynb')))
 def test_imports_in_cells_of_their_own(nb):
@@ -200,6 +231,8 @@ def test_imports_in_cells_of_their_own(nb):
     assert not bad, f'{nb}: cells with imports and other code (nbdev_proc_nbs runs them whole): {bad}'
 
 def test_imports_rule_has_teeth():
-    assert imports_and_other_code('import math\nx = math.pi') and imports_and_other_code('def f():\n    "doc"\n    import os')
+    assert imports_and_other_code('import math\nx = math.pi') and imports_and_other_code(
+        'def f():\n    "doc"\n    import os'
+    )
     assert not imports_and_other_code('import math') and not imports_and_other_code('#| export\nimport math\nx = 1')
     assert not imports_and_other_code('!torchrun train.py') and imports_and_other_code('%time x = 1\nimport os\nx = 2')

@@ -9,7 +9,8 @@ from fastxtend_accum.all import *
 from fastxtend_accum.export import library_refs, without_library_callbacks
 import fastxtend_accum.export as export_module
 
-warnings.filterwarnings('ignore', message='The given NumPy array is not writable') # pandas 3's read-only arrays, in fastai
+# pandas 3's read-only arrays, in fastai
+warnings.filterwarnings('ignore', message='The given NumPy array is not writable')
 warnings.filterwarnings('ignore', message='load_learner` uses')
 
 # the serving machine: fastai, and no fastxtend_accum (the venvs have it installed in editable mode: block the import)
@@ -31,17 +32,35 @@ def load_elsewhere(fname, rows, tmp):
     "Load `fname` and predict `rows` in a fresh process that cannot import the library, with no PYTHONPATH"
     rows.to_pickle(tmp/'rows.pkl')
     env = {k:v for k,v in os.environ.items() if k != 'PYTHONPATH'}
-    p = subprocess.run([sys.executable, '-c', LOADER, str(fname), str(tmp/'rows.pkl'), str(tmp/'preds.pt')], cwd=tmp, env=env,
-                       capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [sys.executable, '-c', LOADER, str(fname), str(tmp / 'rows.pkl'), str(tmp / 'preds.pt')],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     return p, (torch.load(tmp/'preds.pt') if p.returncode == 0 else None)
 
 def tabular(cbs):
     from sklearn.datasets import load_breast_cancer
     d = load_breast_cancer(as_frame=True)
     set_seed(0)
-    dls = TabularDataLoaders.from_df(d.frame, procs=[Normalize], cont_names=list(d.feature_names), y_names='target',
-                                     y_block=CategoryBlock(), valid_idx=list(range(455, 569)), bs=16, num_workers=0, device='cpu')
-    return tabular_learner(dls, layers=[16], config=tabular_config(use_bn=False, bn_cont=False), cbs=cbs), d.frame.iloc[455:485]
+    dls = TabularDataLoaders.from_df(
+        d.frame,
+        procs=[Normalize],
+        cont_names=list(d.feature_names),
+        y_names='target',
+        y_block=CategoryBlock(),
+        valid_idx=list(range(455, 569)),
+        bs=16,
+        num_workers=0,
+        device='cpu',
+    )
+    return tabular_learner(dls, layers=[16], config=tabular_config(use_bn=False, bn_cont=False), cbs=cbs), d.frame.iloc[
+        455:485
+    ]
+
 
 CASES = {'GradientAccumulation': lambda: [GradientAccumulation(64)],
          'GradientAccumulationSchedule': lambda: [GradientAccumulationSchedule(32, 64)],
@@ -64,13 +83,19 @@ def test_trained_with_callback_attached_predicts_without_library(name, tmp_path)
     assert cb.n_steps > 0 if name != 'MicroBatching' else cb.chosen_micro_bs == 8
 
 def test_every_callback_attached(tmp_path):
-    learn,rows = tabular([GradientAccumulation(64), GradientAccumulationSchedule(32, 64), MicroBatching(8, verbose=False)])
+    learn, rows = tabular(
+        [GradientAccumulation(64), GradientAccumulationSchedule(32, 64), MicroBatching(8, verbose=False)]
+    )
     learn.path = tmp_path
     learn.export('model.pkl')
     p,preds = load_elsewhere(tmp_path/'model.pkl', rows, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "['Callback', 'Callback', 'Callback', 'CastToTensor', 'ProgressCallback', 'Recorder', 'TrainEvalCallback']" in p.stdout, p.stdout
-    with without_library_callbacks(learn): expected,_ = learn.get_preds(dl=learn.dls.test_dl(rows)) # no fit with all three
+    assert (
+        "['Callback', 'Callback', 'Callback', 'CastToTensor', 'ProgressCallback', 'Recorder', 'TrainEvalCallback']"
+        in p.stdout
+    ), p.stdout
+    # no fit with all three
+    with without_library_callbacks(learn): expected,_ = learn.get_preds(dl=learn.dls.test_dl(rows))
     test_close(preds, expected, eps=1e-6)
 
 def test_fastai_export_needs_the_library(tmp_path):

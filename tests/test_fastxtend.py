@@ -13,14 +13,18 @@ def fastxtend_python():
     "(python, PYTHONPATH) of a Python where fastxtend imports, or None"
     if importlib.util.find_spec('fastxtend') is not None: return sys.executable,''
     bench = ROOT/'.venv-bench'/'bin'/'python'
-    if bench.exists() and subprocess.run([str(bench), '-c', 'import fastxtend'], capture_output=True).returncode == 0: return str(bench),''
+    if bench.exists() and subprocess.run([str(bench), '-c', 'import fastxtend'], capture_output=True).returncode == 0:
+        return str(bench), ''
     d = os.environ.get('FXA_FASTXTEND_PATH')
     if d and (Path(d)/'fastxtend').is_dir(): return sys.executable,d
     # else a folder of its own (as NOTES.md says: beside fastai, without its dependencies), from the index pip uses
     d = Path(tempfile.gettempdir())/'fxa-fastxtend-0.1.7'
     if not (d/'fastxtend').is_dir():
-        subprocess.run([sys.executable, '-m', 'pip', 'install', '-qq', '--target', str(d), '--no-deps', 'fastxtend==0.1.7'],
-                       capture_output=True, timeout=300)
+        subprocess.run(
+            [sys.executable, '-m', 'pip', 'install', '-qq', '--target', str(d), '--no-deps', 'fastxtend==0.1.7'],
+            capture_output=True,
+            timeout=300,
+        )
     return (sys.executable,str(d)) if (d/'fastxtend').is_dir() else None
 
 @pytest.fixture(scope='module')
@@ -30,8 +34,14 @@ def parity():
                                   '`pip install --target DIR --no-deps fastxtend==0.1.7` and FXA_FASTXTEND_PATH=DIR')
     py,extra = found
     path = os.pathsep.join(p for p in (str(ROOT), extra, os.environ.get('PYTHONPATH', '')) if p)
-    p = subprocess.run([py, str(ROOT/'tests'/'fastxtend_parity.py')], capture_output=True, text=True, timeout=900, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore'))
+    p = subprocess.run(
+        [py, str(ROOT / 'tests' / 'fastxtend_parity.py')],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore'),
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -65,4 +75,6 @@ def test_schedule_rounds_up_where_fastxtend_rounds_down(parity):
 
 def test_both_libraries_callbacks_in_one_fit_are_refused(parity):
     "fastxtend's GradientAccumulation and this library's in one fit: refused at `before_fit` (`plan.accumulation_callbacks`)"
-    assert 'both split the batch' in parity['both'] and "fastxtend's GradientAccumulation" in parity['both'], parity['both']
+    assert 'both split the batch' in parity['both'] and "fastxtend's GradientAccumulation" in parity['both'], parity[
+        'both'
+    ]

@@ -13,8 +13,10 @@ from test_distributed import free_port, max_diff
 
 WORKER = os.path.join(HERE, 'fsdp_worker.py')
 ENV = dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
-TIMEOUT = 420 # seconds for a whole launch (a loaded 2-core machine); a collective that hangs fails after `W.PG_TIMEOUT` s
-N_UNITS = dict(text=3) # blocks FSDP shards (and reduce-scatters) one by one: the digits MLP's 2 Linears, the token model's 3
+# seconds for a whole launch (a loaded 2-core machine); a collective that hangs fails after `W.PG_TIMEOUT` s
+TIMEOUT = 420
+# blocks FSDP shards (and reduce-scatters) one by one: the digits MLP's 2 Linears, the token model's 3
+N_UNITS = dict(text=3)
 
 def launch(out, cases, nproc:int)->tuple[dict,str]:
     "Run `cases` in one torchrun launch of `nproc` processes (bounded); what each rank wrote, by case"
@@ -77,9 +79,12 @@ def reference(case:str, ranks:list)->Learner:
 def expected_steps(case:str, world:int)->list[list[int]]|None:
     "Samples each process holds in each step, from the data split and the callback's sizes (None: not pinned here)"
     spec = W.parse(case)
-    if spec['data'] == 'buckets': return [[96, 32]*W.N_EPOCH, [48, 80]*W.N_EPOCH] # micro-batches 0-5, then 6-7, of each process
+    # micro-batches 0-5, then 6-7, of each process
+    if spec['data'] == 'buckets': return [[96, 32]*W.N_EPOCH, [48, 80]*W.N_EPOCH]
     per = [len(s) for s in W.shards(world=world, **W.DATA[spec['data']])]
-    window = dict(ga=W.ACCUM_BS, mb=W.ACCUM_BS, mb10=W.ACCUM_BS, mb4=W.ACCUM_BS, tga=W.TEXT_ACCUM_BS, tmb=W.TEXT_ACCUM_BS).get(spec['algo'])
+    window = dict(
+        ga=W.ACCUM_BS, mb=W.ACCUM_BS, mb10=W.ACCUM_BS, mb4=W.ACCUM_BS, tga=W.TEXT_ACCUM_BS, tmb=W.TEXT_ACCUM_BS
+    ).get(spec['algo'])
     if window is None: return None
     return [([window]*(n//window) + ([n % window] if n % window else []))*W.N_EPOCH for n in per]
 
@@ -96,11 +101,15 @@ def expected_collectives(case:str, r:dict)->dict:
     "The engine's gradient collectives the case's `grad_sync` promises, from its backwards and optimizer steps"
     spec = W.parse(case)
     units,n_back,n_steps = N_UNITS.get(spec['data'], 2),r['n_backward'],len(r['steps'])
-    if spec['engine'] == 'ddp': # one bucket: one all-reduce per window ('auto' is 'window'), or per backward
-        return dict(engine_all_reduce=n_back if spec['grad_sync'] == 'micro_batch' else n_steps, engine_reduce_scatter=0)
+    if spec['engine'] == 'ddp':  # one bucket: one all-reduce per window ('auto' is 'window'), or per backward
+        return dict(
+            engine_all_reduce=n_back if spec['grad_sync'] == 'micro_batch' else n_steps, engine_reduce_scatter=0
+        )
     exp = dict(engine_reduce_scatter=units*(n_steps if spec['grad_sync'] == 'window' else n_back))
     # HSDP's replicate all-reduce: once a window, unless 'micro_batch'; none for FSDP over one dimension
-    exp['engine_all_reduce'] = 0 if spec['engine'] != 'hsdp' else units*(n_back if spec['grad_sync'] == 'micro_batch' else n_steps)
+    exp['engine_all_reduce'] = (
+        0 if spec['engine'] != 'hsdp' else units * (n_back if spec['grad_sync'] == 'micro_batch' else n_steps)
+    )
     return exp
 
 def n_params(case:str)->int:
@@ -109,8 +118,10 @@ def n_params(case:str)->int:
 def check_case(case:str, rs:list):
     "Exact against one process, the collectives `grad_sync` promises, the gradient memory it promises"
     spec,f = W.parse(case),compare(case, rs)
-    print(f"{case}: max |param diff| {f['param_diff']:.3g}, max |loss diff| {f['loss_diff']:.3g} over {f['n_steps']} steps; "
-          f"collectives {rs[0]['collectives']}; peak gradient {rs[0]['peak_grad_bytes']:,} B")
+    print(
+        f"{case}: max |param diff| {f['param_diff']:.3g}, max |loss diff| {f['loss_diff']:.3g} over {f['n_steps']} steps; "
+        f"collectives {rs[0]['collectives']}; peak gradient {rs[0]['peak_grad_bytes']:,} B"
+    )
     exp = expected_steps(case, len(rs))
     if exp is not None: assert [r['steps'] for r in rs] == exp
     assert f['param_diff'] < 1e-8
@@ -138,7 +149,9 @@ def test_hsdp_matches_one(hsdp_runs, case):
 def test_local_counts_are_not_exact(runs, case):
     "The tests have teeth: each process weighting and correcting by its own counts (the library before) is measurably off"
     f = compare(case, runs[case])
-    print(f"{case}: counts not summed over processes: max |param diff| {f['param_diff']:.3g}, max |loss diff| {f['loss_diff']:.3g}")
+    print(
+        f"{case}: counts not summed over processes: max |param diff| {f['param_diff']:.3g}, max |loss diff| {f['loss_diff']:.3g}"
+    )
     assert f['param_diff'] > 1e-6
 
 @pytest.mark.parametrize('case,counts', [('fsdp2-ga-mismatch-sgd', 'process 0 has 10, process 1 has 9'),
@@ -149,13 +162,18 @@ def test_windows_that_cannot_line_up_raise_on_every_process(runs, case, counts):
     unit = 'batches' if W.parse(case)['algo'].startswith('mb') else 'micro-batches'
     for r in runs[case]:
         print(f"{case}: {r['seconds']:.3f} s: {r['error'].splitlines()[-1]}")
-        assert f'different numbers of {unit}' in r['error'] and counts in r['error'] and 'would wait forever' in r['error']
+        assert (
+            f'different numbers of {unit}' in r['error'] and counts in r['error'] and 'would wait forever' in r['error']
+        )
         assert r['n_backward'] == 0 and r['seconds'] < 5 # before any forward, within seconds
 
 def test_micro_batching_will_not_search_on_a_sharded_model(runs):
     "An out-of-memory error on one process mid-forward would leave the others in an all-gather: 'auto' is refused up front"
     for r in runs['fsdp2-mb-uneven-sgd-search']:
-        assert "MicroBatching(micro_bs='auto') cannot search for a size on a sharded model" in r['error'] and 'micro_bs=8' in r['error']
+        assert (
+            "MicroBatching(micro_bs='auto') cannot search for a size on a sharded model" in r['error']
+            and 'micro_bs=8' in r['error']
+        )
         assert r['n_backward'] == 0
 
 def figures(cases:list[str], nproc:int):
@@ -164,25 +182,36 @@ def figures(cases:list[str], nproc:int):
     with tempfile.TemporaryDirectory() as d:
         try: res,_ = launch(pathlib.Path(d), cases, nproc)
         except AssertionError as e:
-            lines = [l for l in str(e).splitlines() if any(k in l for k in ('mismatch', 'Signal', 'exitcode', 'Error:'))]
+            lines = [
+                l for l in str(e).splitlines() if any(k in l for k in ('mismatch', 'Signal', 'exitcode', 'Error:'))
+            ]
             return print(f"{','.join(cases)}: the launch failed:\n  " + '\n  '.join(lines[:6]))
     for c in cases:
         rs = res[c]
         if 'error' in rs[0]:
             secs = ', '.join(f"{r['seconds']:.3f} s" for r in rs)
-            print(f"{c}: raised on every process after {secs}: {rs[0]['error'].splitlines()[-1] if rs[0]['error'] else 'no error'}")
+            print(
+                f"{c}: raised on every process after {secs}: {rs[0]['error'].splitlines()[-1] if rs[0]['error'] else 'no error'}"
+            )
             continue
         f,n = compare(c, rs),len(rs[0]['steps'])
         per = ', '.join(f"{k.removeprefix('engine_')}s {v/n:.2f}" for k,v in sorted(rs[0]['collectives'].items())
                         if k.startswith('engine') and not k.endswith('bytes'))
-        print(f"{c}: max |param diff| {f['param_diff']:.2e}, max |loss diff| {f['loss_diff']:.2e} ({f['n_steps']} steps); "
-              f"per window: {per}; peak gradient {rs[0]['peak_grad_bytes']:,} B")
+        print(
+            f"{c}: max |param diff| {f['param_diff']:.2e}, max |loss diff| {f['loss_diff']:.2e} ({f['n_steps']} steps); "
+            f"per window: {per}; peak gradient {rs[0]['peak_grad_bytes']:,} B"
+        )
 
 if __name__ == '__main__':
     import argparse
     p = argparse.ArgumentParser(description='Print the figures of the sharded cases (every case, or --cases a,b,...)')
-    p.add_argument('--cases', default=None, help='comma-separated cases (see fsdp_worker.py); HSDP cases run on 4 processes')
+    p.add_argument(
+        '--cases', default=None, help='comma-separated cases (see fsdp_worker.py); HSDP cases run on 4 processes'
+    )
     a = p.parse_args()
     cases = a.cases.split(',') if a.cases else W.CASES + W.HSDP_CASES
-    for nproc,group in ((2, [c for c in cases if not c.startswith('hsdp')]), (4, [c for c in cases if c.startswith('hsdp')])):
+    for nproc, group in (
+        (2, [c for c in cases if not c.startswith('hsdp')]),
+        (4, [c for c in cases if c.startswith('hsdp')]),
+    ):
         if group: figures(group, nproc)

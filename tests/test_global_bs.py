@@ -33,18 +33,34 @@ def runs(tmp_path_factory):
     rank wrote, by case and world size, and the two-process launch's output"""
     out = tmp_path_factory.mktemp('global_bs')
     run([sys.executable, WORKER, str(out), '1', ','.join(ONE)])
-    # a 60 s process-group timeout (not ddp_worker's 20 s): rank 0 alone runs W&B's service in two cases, and on a loaded
-    # 2-core machine a process once waited 20 s for the other at a gradient all-reduce; a real hang still fails the launch,
+    # a 60 s process-group timeout (not ddp_worker's 20 s): rank 0 alone runs W&B's service in two cases, and on a
+    # loaded
+    # 2-core machine a process once waited 20 s for the other at a gradient all-reduce; a real hang still fails the
+    # launch,
     # bounded by TIMEOUT
-    stdout = run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-                  f'--master_port={free_port()}', WORKER, str(out), '2', ','.join(TWO)], env=dict(ENV, FXA_PG_TIMEOUT='60'))
+    stdout = run(
+        [
+            sys.executable,
+            '-m',
+            'torch.distributed.run',
+            '--nproc_per_node=2',
+            '--master_addr=127.0.0.1',
+            f'--master_port={free_port()}',
+            WORKER,
+            str(out),
+            '2',
+            ','.join(TWO),
+        ],
+        env=dict(ENV, FXA_PG_TIMEOUT='60'),
+    )
     res = {c: {1: [torch.load(out/f'{c}-w1-rank0.pt')]} for c in ONE}
     for c in TWO: res.setdefault(c, {})[2] = [torch.load(out/f'{c}-w2-rank{r}.pt') for r in range(2)]
     return res,stdout
 
 def per_epoch(r): return sorted(Counter(e for e,_,_ in r['steps']).items())
 
-# what each case's windows hold over all processes, epoch by epoch (1,024 samples a shuffled epoch; 544 in the `_dealt` ones)
+# what each case's windows hold over all processes, epoch by epoch (1,024 samples a shuffled epoch; 544 in the `_dealt`
+# ones)
 EXPECTED = {
     'ga': [128]*8*2,                                     # 8 steps an epoch: 64 micro-batches of 16, or 32 per process
     'gas': [256]*4 + [64]*16,                            # the size jumps from 256 to 64 at epoch 1
@@ -115,38 +131,50 @@ def test_indivisible_message(runs):
     "A global batch the processes cannot share exactly: the library's rule, and a one-time message with both sizes"
     res,_ = runs
     for r in res['indivisible_dealt'][2]:
-        assert r['messages'] == ["Micro-batches of 16 samples on each of 2 processes do not divide accum_bs=100 over 2 processes "
-                                 "(global_bs=True: 50 per process): windows close at 128 samples over all processes (64 per "
-                                 "process), and each step uses the mean gradient over its window" + SEE_SIZE]
-    assert res['indivisible_dealt'][1][0]['messages'] == ['Micro-batches of 32 samples do not divide accum_bs=100: windows close '
-                                                          'at 128 samples, and each step uses the mean gradient over its window' + SEE_SIZE]
+        assert r['messages'] == [
+            "Micro-batches of 16 samples on each of 2 processes do not divide accum_bs=100 over 2 processes "
+            "(global_bs=True: 50 per process): windows close at 128 samples over all processes (64 per "
+            "process), and each step uses the mean gradient over its window" + SEE_SIZE
+        ]
+    assert res['indivisible_dealt'][1][0]['messages'] == [
+        'Micro-batches of 32 samples do not divide accum_bs=100: windows close '
+        'at 128 samples, and each step uses the mean gradient over its window' + SEE_SIZE
+    ]
     for r in res['gas_indivisible_dealt'][2]:
         assert r['messages'] == [
             '`start_accum_bs`=100 is not a multiple of the micro-batch size 16 x 2 processes = 32 (global_bs=True): its '
             'windows hold 128 samples (64 per process)' + see('start_accum_bs'),
             '`final_accum_bs`=200 is not a multiple of the micro-batch size 16 x 2 processes = 32 (global_bs=True): its '
-            'windows hold 224 samples (112 per process)' + see('final_accum_bs')]
+            'windows hold 224 samples (112 per process)' + see('final_accum_bs'),
+        ]
     for r in res['gas_below'][2]:
-        assert ('`start_accum_bs`=16 is below the micro-batch size 16 x 2 processes = 32 (global_bs=True): a window holds at '
-                'least one micro-batch on each process') in r['error']
+        assert (
+            '`start_accum_bs`=16 is below the micro-batch size 16 x 2 processes = 32 (global_bs=True): a window holds at '
+            'least one micro-batch on each process'
+        ) in r['error']
 
 @pytest.mark.multiprocess
 def test_a_model_not_trained_over_every_process_raises(runs):
     "A process group of 2 but a model no engine wraps: the global batch cannot be shared, and every process says why"
     res,_ = runs
     for r in res['unwrapped'][2]:
-        assert ("`global_bs=True` shares accum_bs=128 over the 2 processes of torch.distributed's default process group, but "
-                "the model (Sequential) trains on 1") in r['error'] and r['steps'] == []
+        assert (
+            "`global_bs=True` shares accum_bs=128 over the 2 processes of torch.distributed's default process group, but "
+            "the model (Sequential) trains on 1"
+        ) in r['error'] and r['steps'] == []
 
 @pytest.mark.multiprocess
 def test_rank_0_prints_the_global_batch_once(runs):
     _,out = runs
     lines = [l for l in out.splitlines() if 'samples per optimizer step' in l]
     link = f" (see {doc_link('global-bs')})"
-    g = lambda name,bs: f'{name}: accum_bs={bs} samples per optimizer step (global_bs=True) = {bs//2} samples per process x 2 processes{link}'
+    g = lambda name, bs: (
+        f'{name}: accum_bs={bs} samples per optimizer step (global_bs=True) = {bs // 2} samples per process x 2 processes{link}'
+    )
     GA,GAS = 'GradientAccumulation','GradientAccumulationSchedule'
     assert lines == [g(GA, 128), g(GAS, 256), g(GA, 128), g(GAS, 256), g(GAS, 256), g(GA, 100), g(GAS, 100),
-                     f'{GA}: accum_bs=64 samples per process x 2 processes = 128 samples per optimizer step{link}'] # ga_off
+                     # ga_off
+                     f'{GA}: accum_bs=64 samples per process x 2 processes = 128 samples per optimizer step{link}']
 
 def logged(res, case, world):
     r = res[case][world][0]
@@ -178,7 +206,9 @@ def test_one_process_global_is_local(make):
     assert default_world_size() == 1
     a,b = fit(make(False)),fit(make(True))
     assert max_param_diff(a, b) == 0
-    assert torch.equal(torch.stack(a.recorder.losses), torch.stack(b.recorder.losses)) and a.recorder.lrs == b.recorder.lrs
+    assert (
+        torch.equal(torch.stack(a.recorder.losses), torch.stack(b.recorder.losses)) and a.recorder.lrs == b.recorder.lrs
+    )
     assert a.recorder.hps.get('accum_bs') == b.recorder.hps.get('accum_bs')
 
 def test_one_process_indivisible_keeps_its_message():
@@ -188,8 +218,12 @@ def test_one_process_indivisible_keeps_its_message():
         fit(GradientAccumulation(100, global_bs=True))
     assert [str(o.message) for o in w if 'divide' in str(o.message)] == [
         'Micro-batches of 16 samples do not divide accum_bs=100: windows close at 112 samples, and each step uses the mean '
-        'gradient over its window' + SEE_SIZE]
+        'gradient over its window' + SEE_SIZE
+    ]
 
 def test_bad_flag():
-    for make in (lambda: GradientAccumulation(64, global_bs='yes'), lambda: GradientAccumulationSchedule(32, 64, global_bs=1)):
+    for make in (
+        lambda: GradientAccumulation(64, global_bs='yes'),
+        lambda: GradientAccumulationSchedule(32, 64, global_bs=1),
+    ):
         with pytest.raises(ValueError, match='`global_bs` must be True or False'): make()

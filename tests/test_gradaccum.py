@@ -1,7 +1,6 @@
 "Equivalence sweeps and behaviour of `GradientAccumulation`: the heavier checks that would clutter the notebook"
 import math, re, warnings, pytest
 from fastai.basics import *
-from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.callback.training import GradientClip
 from fastai.callback.progress import ProgressCallback
 from fastxtend_accum.all import *
@@ -29,7 +28,9 @@ CASES = {
     'odd-sizes':           (7, 35, 35, dict(n_train=1000)), # 1000 = 28*35 + 20: last micro-batch of 6
 }
 
-@pytest.mark.parametrize('one_cycle,opt_func', [(False,SGD), (True,SGD), (True,Adam)], ids=['fit-SGD','one_cycle-SGD','one_cycle-Adam'])
+@pytest.mark.parametrize(
+    'one_cycle,opt_func', [(False, SGD), (True, SGD), (True, Adam)], ids=['fit-SGD', 'one_cycle-SGD', 'one_cycle-Adam']
+)
 @pytest.mark.parametrize('case', list(CASES))
 def test_equals_large_batch(case, one_cycle, opt_func):
     micro,accum_bs,large_bs,kw = CASES[case]
@@ -56,7 +57,8 @@ def test_drop_last(one_cycle):
 
 def test_loader_drop_last():
     "With `drop_last=False`, a micro-batch loader that drops its own short micro-batch trains on the samples it yields"
-    accum = run(16, GradientAccumulation(64, drop_last=False), drop_last=True) # 1488 samples: 23 windows of 64, one of 16
+    # 1488 samples: 23 windows of 64, one of 16
+    accum = run(16, GradientAccumulation(64, drop_last=False), drop_last=True)
     large = run(64, n_train=1488)
     assert max_param_diff(large, accum) < 1e-8
 
@@ -73,8 +75,13 @@ def test_drop_last_follows_the_loader(torch_loader):
 def sampler_learner(batch_sampler, cbs=()):
     "A float64 digits learner whose PyTorch training loader takes its batches from `batch_sampler`"
     dls = digits_dls(16, torch_loader=True)
-    dls = DataLoaders(torch.utils.data.DataLoader(dls.train.dataset, batch_sampler=batch_sampler), dls.valid, device='cpu')
-    return Learner(dls, digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss(), *cbs])
+    dls = DataLoaders(
+        torch.utils.data.DataLoader(dls.train.dataset, batch_sampler=batch_sampler), dls.valid, device='cpu'
+    )
+    return Learner(
+        dls, digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss(), *cbs]
+    )
+
 
 class Unmeasurable(torch.utils.data.BatchSampler):
     "A batch sampler that cannot be copied (it holds a lock), so its sizes cannot be read ahead"
@@ -90,8 +97,11 @@ def test_sizes_unknown_ahead():
         warnings.simplefilter('always')
         with learn.no_logging(), learn.no_bar(): learn.fit(2); learn.fit(1)
     assert learn.gradient_accumulation.plan is None
-    test_eq(sum('progress (the hyper-parameter schedule) is counted in micro-batches' in str(o.message) for o in w), 2) # one per fit
-    learn = sampler_learner(Unmeasurable(torch.utils.data.SequentialSampler(range(N_TRAIN)), 16, False), [GradientAccumulation(64)])
+    # one per fit
+    test_eq(sum('progress (the hyper-parameter schedule) is counted in micro-batches' in str(o.message) for o in w), 2)
+    learn = sampler_learner(
+        Unmeasurable(torch.utils.data.SequentialSampler(range(N_TRAIN)), 16, False), [GradientAccumulation(64)]
+    )
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         with learn.no_logging(), learn.no_bar(): learn.fit(2)
@@ -102,7 +112,9 @@ def sizes_unknown_runs(kind:str)->tuple:
     ahead, and the same fit with `GradientAccumulation(64)` (`kind`='ga') or `GradientAccumulationSchedule(32, 96)`
     ('gas'); the hyper-parameters fastai gives each window's first micro-batch, and those each window trained with"""
     def fit(cbs):
-        learn = sampler_learner(Unmeasurable(torch.utils.data.SequentialSampler(range(N_TRAIN)), 16, False), [TrainingRecord(), *cbs])
+        learn = sampler_learner(
+            Unmeasurable(torch.utils.data.SequentialSampler(range(N_TRAIN)), 16, False), [TrainingRecord(), *cbs]
+        )
         with warnings.catch_warnings(), learn.no_logging(), learn.no_bar():
             warnings.simplefilter('ignore')
             learn.fit_one_cycle(2, 1e-2)
@@ -127,11 +139,14 @@ def test_sizes_unknown_ahead_follow_fastais_schedule(kind):
     test_eq(len(got), len(expected))
     for hp in ('lr', 'mom'):
         d = max(abs(a[hp]-b[hp]) for a,b in zip(got, expected))
-        print(f'{kind}, sizes not known ahead: max |{hp} diff| {d:.2g} from fastai\'s own at each window\'s first micro-batch')
+        print(
+            f'{kind}, sizes not known ahead: max |{hp} diff| {d:.2g} from fastai\'s own at each window\'s first micro-batch'
+        )
         assert d < 1e-12
 
 class Buckets:
     "A length-bucketing batch sampler: a permutation from PyTorch's global random state, cut into batches of `sizes` in turn"
+
     def __init__(self, n, sizes): self.n,self.sizes = n,sizes
     def _cuts(self):
         i,k = 0,0
@@ -154,6 +169,7 @@ class Windows:
 
 def test_sized_batch_sampler_is_planned(monkeypatch):
     "A sized, shuffling batch sampler: windows planned from a copy, so fit_one_cycle's hyper-parameters are per optimizer step, exactly"
+
     def fit_seeded(learn):
         torch.manual_seed(1)
         with learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(2, 0.1)
@@ -169,8 +185,10 @@ def test_sized_batch_sampler_is_planned(monkeypatch):
         warnings.simplefilter('ignore')
         unplanned = fit_seeded(sampler_learner(Buckets(N_TRAIN, sizes), [GradientAccumulation(64)]))
     d = max(abs(a-b) for a,b in zip(unplanned.recorder.lrs, large.recorder.lrs))
-    print(f'lr per step, sized batch sampler: planned {max(abs(a-b) for a,b in zip(accum.recorder.lrs, large.recorder.lrs)):.1e}, '
-          f'progress in micro-batches {d:.1e} (peak lr 0.1)')
+    print(
+        f'lr per step, sized batch sampler: planned {max(abs(a - b) for a, b in zip(accum.recorder.lrs, large.recorder.lrs)):.1e}, '
+        f'progress in micro-batches {d:.1e} (peak lr 0.1)'
+    )
     assert d > 1e-3 # the test has teeth
 
 class OverLong(torch.utils.data.BatchSampler):
@@ -183,8 +201,11 @@ def test_every_dropped_window_is_reported(how):
     from fastai.callback.training import ShortEpochCallback
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('default') # Python's default: a message repeated from the same line shows once
-        if how == 'len-over-reports': # 1500 = 23*64 + 28: the last window (28 samples) never sees the epoch's last micro-batch
-            learn = sampler_learner(OverLong(torch.utils.data.SequentialSampler(range(N_TRAIN)), 16, False), [GradientAccumulation(64)])
+        # 1500 = 23*64 + 28: the last window (28 samples) never sees the epoch's last micro-batch
+        if how == 'len-over-reports':
+            learn = sampler_learner(
+                OverLong(torch.utils.data.SequentialSampler(range(N_TRAIN)), 16, False), [GradientAccumulation(64)]
+            )
             with learn.no_logging(), learn.no_bar(): learn.fit(3)
             held = 28
         else: # cut after 39 of 94 micro-batches: 9 windows, then 3 micro-batches (48 samples) dropped
@@ -193,8 +214,15 @@ def test_every_dropped_window_is_reported(how):
             held = 48
     msgs = [str(o.message) for o in w if 'mid-window' in str(o.message)]
     from fastxtend_accum.messages import doc_link
-    test_eq(msgs, [f"Epoch {e}: training stopped mid-window, after {held} samples: that window's gradients were dropped (no optimizer step) "
-                   f"(see {doc_link('mid-window')})" for e in range(3)])
+
+    test_eq(
+        msgs,
+        [
+            f"Epoch {e}: training stopped mid-window, after {held} samples: that window's gradients were dropped (no optimizer step) "
+            f"(see {doc_link('mid-window')})"
+            for e in range(3)
+        ],
+    )
     assert no_grads(learn)
 
 def test_log_accum_batch_false():
@@ -289,7 +317,8 @@ def test_export_load_learner(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         loaded = load_learner(tmp_path/'accum.pkl')
-    assert not any(isinstance(cb, GradientAccumulation) for cb in loaded.cbs) # left out of the file: it loads with fastai alone
+    # left out of the file: it loads with fastai alone
+    assert not any(isinstance(cb, GradientAccumulation) for cb in loaded.cbs)
     test_eq(learn.gradient_accumulation.accum_bs, 64) # still attached to the Learner that exported
     x,_ = digits_data()
     test_close(loaded.model(x[1500:]), learn.model(x[1500:]), eps=1e-12)

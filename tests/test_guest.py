@@ -10,7 +10,7 @@ from fastai.basics import *
 from fastcore.test import *
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.callback.microbatch import MicroBatching
-from fastxtend_accum.test_utils import digits_learner, max_param_diff
+from fastxtend_accum.test_utils import digits_learner
 from fastxtend_accum.plan import micro_batch_sizes
 import fastxtend_accum.patches as P
 from helpers import assert_same_training
@@ -19,7 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1')
 
 def python(code, prefix=''):
-    p = subprocess.run([sys.executable, '-c', prefix + textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, '-c', prefix + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+        cwd=ROOT,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
 
@@ -65,7 +72,9 @@ def test_import_leaves_fastai_basics_quiet():
 
 def test_fit_gives_everything_back():
     "After a fit that accumulates (ended, cancelled, raised, interrupted) fastai's classes, the Learner's class and its callbacks are as before"
-    out = python(prefix=SNAPSHOT, code='''
+    out = python(
+        prefix=SNAPSHOT,
+        code='''
         from fastai.basics import *
         from fastai.callback.all import *
         from fastxtend_accum.all import *
@@ -91,20 +100,35 @@ def test_fit_gives_everything_back():
         diff, added = changed(before, snapshot())
         assert not diff and not [k for k in added if len(k) == 3], (diff, added)
         print('ok')
-    ''')
+    ''',
+    )
     assert out.strip().endswith('ok')
 
 def test_registry_lists_every_takeover():
     "Every method of the fit class is registered; every registered name is a method fastai has"
     import fastxtend_accum.sharded as S
     from fastai.callback.all import ParamScheduler, ProgressCallback, ShowGraphCallback, LRFinder, GradientClip
-    ours = {f'Learner.{n}' for part in (P.FitTakeover, S.ShardedFit) for n,v in vars(part).items() if callable(v) and not n.startswith('__') or n in ('__call__', '__reduce_ex__')}
+
+    ours = {
+        f'Learner.{n}'
+        for part in (P.FitTakeover, S.ShardedFit)
+        for n, v in vars(part).items()
+        if callable(v) and not n.startswith('__') or n in ('__call__', '__reduce_ex__')
+    }
     ours |= {f'{c}.{n}' for _,c,n,_ in P._ADAPTERS}
     missing = ours - set(P.TAKEOVERS) - {'DataLoader.create_batches'}
     assert not missing, missing
-    classes = dict(Learner=Learner, Recorder=Recorder, ParamScheduler=ParamScheduler, ProgressCallback=ProgressCallback,
-                   ShowGraphCallback=ShowGraphCallback, LRFinder=LRFinder, GradientClip=GradientClip, Optimizer=Optimizer,
-                   DataLoader=fastai.data.load.DataLoader)
+    classes = dict(
+        Learner=Learner,
+        Recorder=Recorder,
+        ParamScheduler=ParamScheduler,
+        ProgressCallback=ProgressCallback,
+        ShowGraphCallback=ShowGraphCallback,
+        LRFinder=LRFinder,
+        GradientClip=GradientClip,
+        Optimizer=Optimizer,
+        DataLoader=fastai.data.load.DataLoader,
+    )
     for k in P.TAKEOVERS:
         c,n = k.split('.')
         if c in classes: assert hasattr(classes[c], n), k
@@ -159,13 +183,17 @@ def test_microbatching_runs_a_subclass_do_one_batch_per_micro_batch():
     learn = _as(digits_learner(64), OwnDoOneBatch)
     with learn.no_logging(): learn.fit_one_cycle(2, 1e-2, cbs=MicroBatching(16, verbose=False))
     assert_same_training(large, learn, eps=1e-10)
-    test_eq(learn.n_do, 2*sum(-(-n//16) for n in micro_batch_sizes(learn.dls.train))) # 4 a batch of 64, fewer for the last
+    # 4 a batch of 64, fewer for the last
+    test_eq(learn.n_do, 2*sum(-(-n//16) for n in micro_batch_sizes(learn.dls.train)))
 
 @pytest.mark.parametrize('cb', [lambda: GradientAccumulation(64), lambda: MicroBatching(16, verbose=False)])
 def test_subclass_stepping_in_do_one_batch_is_refused(cb):
     "A `_do_one_batch` with its own backward and step, not `_do_grad_opt`: it would step per micro-batch; stopped at the first"
     learn = _as(digits_learner(16 if 'Gradient' in repr(cb()) else 64), OwnStepInDoOneBatch)
-    with learn.no_logging(): test_fail(lambda: learn.fit(1, cbs=cb()), contains='_do_one_batch returned without calling `self._do_grad_opt()`')
+    with learn.no_logging():
+        test_fail(
+            lambda: learn.fit(1, cbs=cb()), contains='_do_one_batch returned without calling `self._do_grad_opt()`'
+        )
     test_is(type(learn), OwnStepInDoOneBatch)
 
 def test_subclass_with_its_own_step_and_backward_is_exact():
@@ -198,7 +226,9 @@ for n in ('__call__', '_call_one', 'all_batches', 'export'): stand_in(n)
 def test_another_library_patching_fastai(first, tmp_path):
     "A stand-in for fastxtend's profiler, imported before or after this library: it sees every event, and the fit is exact"
     lib = 'from fastxtend_accum.all import *\nfrom fastai.callback.schedule import *'
-    out = python(prefix=PATCHER + lib + '\n' if first == 'patcher' else lib + '\n' + PATCHER, code=f'''
+    out = python(
+        prefix=PATCHER + lib + '\n' if first == 'patcher' else lib + '\n' + PATCHER,
+        code=f'''
         from fastxtend_accum.all import *
         from fastxtend_accum.test_utils import digits_learner, max_param_diff
         large = digits_learner(64)
@@ -217,7 +247,8 @@ def test_another_library_patching_fastai(first, tmp_path):
         assert COUNTS['export'] == 1
         assert type(learn) is Learner
         print('ok', d, n)
-    ''')
+    ''',
+    )
     assert out.strip().splitlines()[-1].startswith('ok'), out[-2000:]
 
 # ---- the same on 2 gloo processes ----
@@ -246,8 +277,10 @@ def test_lr_find_two_processes(tmp_path):
            f'--master_port={TD.free_port()}', TD.WORKER, str(tmp_path), 'guest_lr_find']
     res,_ = TD.launch(cmd, tmp_path, ['guest_lr_find'])
     r0,r1 = res['guest_lr_find']
-    assert TD.max_diff(r0['before'], r0['after_find']) == 0 == TD.max_diff(r1['before'], r1['after_find']) # the weights back
+    # the weights back
+    assert TD.max_diff(r0['before'], r0['after_find']) == 0 == TD.max_diff(r1['before'], r1['after_find'])
     assert TD.max_diff(r0['params'], r1['params']) == 0
     assert len(r0['lrs']) == len(r1['lrs']) == 6 and r0['lrs'] == r1['lrs'] # 6 optimizer steps, the same lrs
-    test_close([b/a for a,b in zip(r0['lrs'], r0['lrs'][1:])], [(10/1e-7)**(1/6)]*5, eps=1e-6) # fastai's exponential schedule
+    # fastai's exponential schedule
+    test_close([b/a for a,b in zip(r0['lrs'], r0['lrs'][1:])], [(10/1e-7)**(1/6)]*5, eps=1e-6)
     assert not list((tmp_path/'lr_find').rglob('*.pth')) # the temporary files removed

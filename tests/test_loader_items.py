@@ -61,7 +61,14 @@ def fit(make_dls, cb, cbs=(), epochs=2, fastai=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4)).double()
     b = Batches()
-    learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[b, Float64SmoothLoss(), *([cb] if cb else []), *cbs])
+    learn = Learner(
+        dls,
+        model,
+        loss_func=nn.CrossEntropyLoss(),
+        opt_func=SGD,
+        lr=0.1,
+        cbs=[b, Float64SmoothLoss(), *([cb] if cb else []), *cbs],
+    )
     with learn.no_bar(), learn.no_logging(), (fastai_items() if fastai else contextlib.nullcontext()):
         learn.fit(epochs)
     return b.seen,[p.detach().clone() for p in learn.model.parameters()],list(learn.recorder.losses)
@@ -72,7 +79,8 @@ def same_fit(make_dls, make_cb, cbs=lambda: (), epochs=2):
     theirs = fit(make_dls, make_cb(), cbs(), epochs, fastai=True)
     (b1,p1,l1),(b2,p2,l2) = ours,theirs
     assert len(b1) == len(b2) > 0
-    for u,v in zip(b1, b2): assert len(u) == len(v) and all(type(s) is type(t) and torch.equal(s, t) for s,t in zip(u, v))
+    for u, v in zip(b1, b2):
+        assert len(u) == len(v) and all(type(s) is type(t) and torch.equal(s, t) for s, t in zip(u, v))
     assert all(torch.equal(p, q) for p,q in zip(p1, p2))
     assert [float(l) for l in l1] == [float(l) for l in l2]
     return n
@@ -91,7 +99,9 @@ def plain(ds, bs=16, shuffle=True, drop_last=False, cls=FastaiDataLoader, **kw):
         return DataLoaders(dl, FastaiDataLoader([], bs=bs, device='cpu'))
     return make
 
-@pytest.mark.parametrize('make_cb', [lambda: GradientAccumulation(48), lambda: MicroBatching(8, verbose=False)], ids=['ga', 'micro'])
+@pytest.mark.parametrize(
+    'make_cb', [lambda: GradientAccumulation(48), lambda: MicroBatching(8, verbose=False)], ids=['ga', 'micro']
+)
 def test_samples_as_held_same_fit(make_cb):
     n = same_fit(from_dsets(samples(100)), make_cb) # 100 = 6 batches of 16 and a short one of 4
     assert n['epochs'] == 2 and n['held'] == 14 # two epochs of 7 batches, each read as held at its first item
@@ -99,7 +109,11 @@ def test_samples_as_held_same_fit(make_cb):
 
 def typed(items, first_only=False):
     "The samples with fastai's tensor types (`TensorBase` inputs, `TensorCategory` targets): all of them, or the first only"
-    return [(x.as_subclass(TensorBase), y.as_subclass(TensorCategory)) if i == 0 or not first_only else (x, y) for i,(x,y) in enumerate(items)]
+    return [
+        (x.as_subclass(TensorBase), y.as_subclass(TensorCategory)) if i == 0 or not first_only else (x, y)
+        for i, (x, y) in enumerate(items)
+    ]
+
 
 @pytest.mark.parametrize('first_only', [False, True], ids=['all', 'first'])
 def test_typed_samples_keep_fastais_types(first_only):
@@ -180,7 +194,12 @@ class Raises(Callback):
         if self.training and self.iter == 2: raise RuntimeError('stop here')
 
 def test_a_fit_that_raises_leaves_no_loader_marked():
-    learn = Learner(from_dsets(samples(64))(), nn.Linear(6, 4).double(), loss_func=nn.CrossEntropyLoss(), cbs=[Float64SmoothLoss(), GradientAccumulation(32), Raises()])
+    learn = Learner(
+        from_dsets(samples(64))(),
+        nn.Linear(6, 4).double(),
+        loss_func=nn.CrossEntropyLoss(),
+        cbs=[Float64SmoothLoss(), GradientAccumulation(32), Raises()],
+    )
     with learn.no_bar(), learn.no_logging(), pytest.raises(RuntimeError, match='stop here'): learn.fit(1)
     assert 'create_batches' not in vars(learn.dls.train) # the loader's own again
     with counting_held() as n: learn.dls.train.one_batch() # outside a fit: fastai's way

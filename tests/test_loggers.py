@@ -12,7 +12,7 @@ from fastai.callback.wandb import WandbCallback
 from fastai.callback.tensorboard import TensorBoardCallback
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.callback.schedule import GradientAccumulationSchedule
-import fastxtend_accum.patches  # the patches
+import fastxtend_accum.patches  # noqa: F401 the patches
 from fastxtend_accum.test_utils import digits_learner
 
 # ---- reading an offline W&B run: the `.wandb` file is a LevelDB-style log of `wandb_internal_pb2.Record`s ----
@@ -49,7 +49,8 @@ def wandb_run(run, timeout=60):
     rows,config = [],{}
     for r in records:
         kind = r.WhichOneof('record_type')
-        if kind == 'history': rows.append({(i.key or '/'.join(i.nested_key)): json.loads(i.value_json) for i in r.history.item})
+        if kind == 'history':
+            rows.append({(i.key or '/'.join(i.nested_key)): json.loads(i.value_json) for i in r.history.item})
         if kind == 'config': config.update({i.key: json.loads(i.value_json) for i in r.config.update})
     return rows,config
 
@@ -65,7 +66,11 @@ class Windows(Callback):
     def before_batch(self):
         if self.training and self.t0 is None: self.t0 = time.perf_counter()
     def after_batch(self):
-        cb = self.learn.gradient_accumulation if hasattr(self.learn, 'gradient_accumulation') else self.gradient_accumulation_schedule
+        cb = (
+            self.learn.gradient_accumulation
+            if hasattr(self.learn, 'gradient_accumulation')
+            else self.gradient_accumulation_schedule
+        )
         if self.training and cb.window_closed:
             self.rows.append(dict(epoch=self.epoch, iter=self.iter, n=cb.windows.window.samples, loss=self.loss.item(),
                                   time=time.perf_counter()-self.t0, n_iter=self.n_iter))
@@ -76,7 +81,10 @@ def train_logged(tmp_path, accum_cb, n_epoch, one_cycle):
     learn = digits_learner(16, n_train=500, cbs=[accum_cb, Windows()] if accum_cb is not None else None)
     try:
         with learn.no_logging(), learn.no_bar():
-            cbs = [WandbCallback(log_preds=False), TensorBoardCallback(tmp_path/'tb', trace_model=False, log_preds=False)]
+            cbs = [
+                WandbCallback(log_preds=False),
+                TensorBoardCallback(tmp_path / 'tb', trace_model=False, log_preds=False),
+            ]
             if one_cycle: learn.fit_one_cycle(n_epoch, 0.1, cbs=cbs)
             else: learn.fit(n_epoch, cbs=cbs)
     finally: run.finish()
@@ -86,7 +94,9 @@ def train_logged(tmp_path, accum_cb, n_epoch, one_cycle):
 def test_per_optimizer_step(tmp_path):
     "log_accum_batch=True, a schedule from 32 to 128 and fit_one_cycle"
     n_epoch = 2
-    learn,rows,config,tb = train_logged(tmp_path, GradientAccumulationSchedule(32, 128, finish=0.5), n_epoch, one_cycle=True)
+    learn, rows, config, tb = train_logged(
+        tmp_path, GradientAccumulationSchedule(32, 128, finish=0.5), n_epoch, one_cycle=True
+    )
     rec,win = learn.recorder,learn.windows.rows
     n_steps = learn.gradient_accumulation_schedule.n_steps
     assert n_steps == len(win) == len(rec.losses) < n_epoch*32
@@ -99,8 +109,13 @@ def test_per_optimizer_step(tmp_path):
     assert [r['raw_loss'] for r in train] == pytest.approx([w['loss'] for w in win], rel=1e-12) # the window's loss
     assert [r['lr_0'] for r in train] == pytest.approx(rec.hps['lr'], rel=1e-12)
     assert [r['mom_0'] for r in train] == pytest.approx(rec.hps['mom'], rel=1e-12)
-    assert [r['accum_bs'] for r in train] == rec.hps['accum_bs'] and rec.hps['accum_bs'][0] == 32 and max(rec.hps['accum_bs']) == 128
-    assert [r['accumulation_batch_size'] for r in train] == rec.hps['accum_bs'] # fastxtend's key, for dashboards that query it
+    assert (
+        [r['accum_bs'] for r in train] == rec.hps['accum_bs']
+        and rec.hps['accum_bs'][0] == 32
+        and max(rec.hps['accum_bs']) == 128
+    )
+    # fastxtend's key, for dashboards that query it
+    assert [r['accumulation_batch_size'] for r in train] == rec.hps['accum_bs']
     # accum_bs is what each window held: an epoch's short last window (500 = 31*16 + 4) logs its real sample count
     assert rec.hps['accum_bs'] == [w['n'] for w in win] and rec.hps['accum_bs'][-1] < 128
     # the epoch axis: epochs done at each window's end, in micro-batches; whole at each epoch's end
@@ -134,7 +149,9 @@ def test_per_optimizer_step(tmp_path):
 def test_per_micro_batch(tmp_path):
     "log_accum_batch=False: fastai's rows (one per micro-batch), with the window's size added"
     n_epoch = 2
-    learn,rows,config,tb = train_logged(tmp_path, GradientAccumulation(64, log_accum_batch=False), n_epoch, one_cycle=False)
+    learn, rows, config, tb = train_logged(
+        tmp_path, GradientAccumulation(64, log_accum_batch=False), n_epoch, one_cycle=False
+    )
     rec = learn.recorder
     n_mb = n_epoch*32
     assert learn.gradient_accumulation.n_steps == len(learn.windows.rows) == n_epoch*8
@@ -142,7 +159,9 @@ def test_per_micro_batch(tmp_path):
     assert len(rows) == len(train) == n_mb == len(rec.losses)
     assert [r['_step'] for r in train] == list(range(n_mb))
     assert [r['train_loss'] for r in train] == pytest.approx([float(o) for o in rec.losses], rel=1e-12)
-    assert [r['epoch'] for r in train] == pytest.approx([e + (i+1)/32 for e in range(n_epoch) for i in range(32)], abs=1e-9)
+    assert [r['epoch'] for r in train] == pytest.approx(
+        [e + (i + 1) / 32 for e in range(n_epoch) for i in range(32)], abs=1e-9
+    )
     # the window's target on its micro-batches, what it held on its last one: 500 = 7*64 + 52
     assert [r['accum_bs'] for r in train] == ([64]*31 + [52])*n_epoch
     # TensorBoard: fastai's steps, and fastai's repeats of the last point during validation (2 validation batches)
@@ -153,7 +172,8 @@ def test_per_micro_batch(tmp_path):
 def test_without_accumulation(tmp_path):
     "No accumulation callback: fastai's own code, so fastai's rows and no `accum_bs` (and on fastcore 2, fastai 2.8.12's own crash)"
     import fastai.callback.wandb as fw
-    if 'init_args' in fw._format_config_value.__code__.co_names: # fastai 2.8.12 on fastcore 2: fastai's bug, left as fastai ships it
+    # fastai 2.8.12 on fastcore 2: fastai's bug, left as fastai ships it
+    if 'init_args' in fw._format_config_value.__code__.co_names:
         with pytest.raises(TypeError, match='vars'): train_logged(tmp_path, None, 1, one_cycle=False)
         return
     learn,rows,config,tb = train_logged(tmp_path, None, 1, one_cycle=False)
@@ -165,9 +185,15 @@ def test_without_accumulation(tmp_path):
 def test_no_vision_import():
     """The library imports neither fastai.vision, torchvision nor wandb; fastai's own TensorBoard module, which users import
     to log, brings `fastai.vision.core`/`.data` but never torchvision"""
-    code = ("import sys; vis = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('torchvision', 'wandb') or m.startswith('fastai.vision')); "
-            "import fastxtend_accum.all; print(vis()); import fastai.callback.tensorboard; print(vis())")
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.strip().split('\n')
+    code = (
+        "import sys; vis = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('torchvision', 'wandb') or m.startswith('fastai.vision')); "
+        "import fastxtend_accum.all; print(vis()); import fastai.callback.tensorboard; print(vis())"
+    )
+    out = (
+        subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .split('\n')
+    )
     assert out == ["[]", "['fastai.vision', 'fastai.vision.core', 'fastai.vision.data']"], out
 
 WANDB_AFTER = """

@@ -9,13 +9,15 @@ from fastxtend_accum.test_utils import digits_learner
 
 class BarRecord(Callback):
     "The progress bars as the user sees them: the epoch bar's total at each epoch, each epoch bar's last count and total"
+
     order = ProgressCallback.order + 1
     def before_fit(self): self.epochs,self.steps = [],[]
     def before_epoch(self): self.epochs.append((self.epoch, self.learn.progress.mbar.main_bar.total, self.n_epoch))
     def after_batch(self):
         ga = getattr(self.learn, 'gradient_accumulation', None)
         if self.training and ga is not None and ga.window_closed: # the bar moves once per optimizer step
-            self.steps.append((self.epoch, ga.progress[0], self.learn.progress.pbar.total)) # the count the bar was given, its total
+            # the count the bar was given, its total
+            self.steps.append((self.epoch, ga.progress[0], self.learn.progress.pbar.total))
 
 def test_lr_find_bar_counts_the_epochs_it_runs(capsys):
     rec = BarRecord()

@@ -1,7 +1,8 @@
 """Messages a user sees on day one (issue 27): each warning names the user's own line (the warning's filename and line are
 this file's, through fastai's event dispatch), the BatchNorm warning names the fix for the learner at hand, and an
 `accum_bs` smaller than a micro-batch says that it counts samples. Real fits: digits, breast cancer, CPython's help text."""
-import sys, warnings
+
+import warnings
 import pytest
 import pandas as pd
 from fastai.basics import *
@@ -27,8 +28,17 @@ def tabular(bs=64, cbs=None, **config):
     from sklearn.datasets import load_breast_cancer
     d = load_breast_cancer(as_frame=True)
     set_seed(0)
-    dls = TabularDataLoaders.from_df(d.frame, procs=[Normalize], cont_names=list(d.feature_names), y_names='target',
-                                     y_block=CategoryBlock(), valid_idx=list(range(455, 569)), bs=bs, num_workers=0, device='cpu')
+    dls = TabularDataLoaders.from_df(
+        d.frame,
+        procs=[Normalize],
+        cont_names=list(d.feature_names),
+        y_names='target',
+        y_block=CategoryBlock(),
+        valid_idx=list(range(455, 569)),
+        bs=bs,
+        num_workers=0,
+        device='cpu',
+    )
     return tabular_learner(dls, layers=[16], config=tabular_config(**config), cbs=cbs)
 
 def test_tabular_batchnorm_names_tabular_config():
@@ -68,7 +78,9 @@ def test_text_classifier_batchnorm_fix():
     texts = [topics[k][:300] for k in sorted(topics)][:96]
     df = pd.DataFrame({'text': texts, 'label': [len(t) % 2 for t in texts]})
     set_seed(0)
-    dls = TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=0.25, bs=8, seq_len=16, num_workers=0, device='cpu')
+    dls = TextDataLoaders.from_df(
+        df, text_col='text', label_col='label', valid_pct=0.25, bs=8, seq_len=16, num_workers=0, device='cpu'
+    )
     cfg = dict(emb_sz=16, n_hid=16, n_layers=1)
     learn = text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=cfg, cbs=GradientAccumulation(32))
     ws,line = fit_warnings(learn)
@@ -93,7 +105,13 @@ def test_accum_bs_smaller_than_a_micro_batch():
 
 def tail_learner(**kwargs):
     "GradientAccumulation(320) on fastai's default loaders (bs=32, drop_last) of 1,536 samples: 4 windows an epoch, then 256 samples"
-    return Learner(digits_default_dls(32, n_train=1536, dtype=torch.float32), digits_mlp(dtype=torch.float32), loss_func=nn.CrossEntropyLoss(), cbs=GradientAccumulation(320, **kwargs))
+    return Learner(
+        digits_default_dls(32, n_train=1536, dtype=torch.float32),
+        digits_mlp(dtype=torch.float32),
+        loss_func=nn.CrossEntropyLoss(),
+        cbs=GradientAccumulation(320, **kwargs),
+    )
+
 
 def test_dropped_tail_is_said_once_per_fit():
     "A tail larger than a micro-batch that `drop_last` discards (issue 39): said once per fit, with its share and the fix"
@@ -112,7 +130,8 @@ def test_dropped_tail_is_said_once_per_fit():
     ws,_ = fit_warnings(keep, lambda l: l.fit(2))
     test_eq(ours(ws, 'never trained on'), [])
     test_eq(keep.gradient_accumulation.n_steps, 10) # the short last window is a step
-    ws,_ = fit_warnings(tail_learner(), lambda l: l.lr_find(show_plot=False, num_it=10)) # lr_find's epochs are not training's
+    # lr_find's epochs are not training's
+    ws,_ = fit_warnings(tail_learner(), lambda l: l.lr_find(show_plot=False, num_it=10))
     test_eq(ours(ws, 'never trained on'), [])
 
 def test_indivisible_still_says_divide():
@@ -124,13 +143,15 @@ def test_indivisible_still_says_divide():
 
 def test_mid_window_and_fastai_ga_warnings_name_the_users_line():
     "A window an epoch ends in (a loader whose `len` says one micro-batch more than it yields) and fastai's own callback"
-    from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
-    import fastxtend_accum.patches as patches
+    from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation  # noqa: F401 (imported)
+    import fastxtend_accum.patches as patches  # noqa: F401 (imported for its side effects)
     class OverLong(torch.utils.data.BatchSampler):
         def __len__(self): return super().__len__() + 1
     learn = digits_learner(16, n_train=200, cbs=GradientAccumulation(64, normalize_by='samples'))
     x,y = digits_data()
-    learn.dls.train = torch.utils.data.DataLoader(list(zip(x[:200], y[:200])), batch_sampler=OverLong(torch.utils.data.SequentialSampler(range(200)), 16, False))
+    learn.dls.train = torch.utils.data.DataLoader(
+        list(zip(x[:200], y[:200])), batch_sampler=OverLong(torch.utils.data.SequentialSampler(range(200)), 16, False)
+    )
     ws,line = fit_warnings(learn)
     mid = ours(ws, 'training stopped mid-window')
     assert len(mid) == 1 and f'{DOCS_URL}#mid-window' in str(mid[0].message), [str(o.message) for o in ws]
@@ -141,8 +162,16 @@ def test_auto_ignored_targets_warning_names_the_users_line():
     def masked(bs):
         x,y = digits_data()
         y = y.clone(); y[::7] = -100
-        dls = DataLoaders.from_dsets(list(zip(x[:320], y[:320])), list(zip(x[-64:], y[-64:])), bs=bs, device='cpu', num_workers=0)
-        return Learner(dls, digits_mlp(), loss_func=lambda p,t: F.cross_entropy(p, t), cbs=[Float64SmoothLoss(), GradientAccumulation(64)])
+        dls = DataLoaders.from_dsets(
+            list(zip(x[:320], y[:320])), list(zip(x[-64:], y[-64:])), bs=bs, device='cpu', num_workers=0
+        )
+        return Learner(
+            dls,
+            digits_mlp(),
+            loss_func=lambda p, t: F.cross_entropy(p, t),
+            cbs=[Float64SmoothLoss(), GradientAccumulation(64)],
+        )
+
     ws,line = fit_warnings(masked(16))
     ign = ours(ws, 'the targets hold -100')
     assert len(ign) == 1 and f'{DOCS_URL}#ignored' in str(ign[0].message), [str(o.message) for o in ws]
@@ -150,8 +179,13 @@ def test_auto_ignored_targets_warning_names_the_users_line():
 
 def _bf16_sums(): # accum_dtype=None on a model held in bfloat16: windows of 16 micro-batches summed in 16 bits
     x = digits_dls(8, n_train=8*16*2, dtype=torch.bfloat16)
-    return Learner(x, digits_mlp(32, dtype=torch.float32).to(torch.bfloat16), loss_func=lambda o,y: F.cross_entropy(o, y).float(),
-                   opt_func=SGD, cbs=GradientAccumulation(8*16, accum_dtype=None))
+    return Learner(
+        x,
+        digits_mlp(32, dtype=torch.float32).to(torch.bfloat16),
+        loss_func=lambda o, y: F.cross_entropy(o, y).float(),
+        opt_func=SGD,
+        cbs=GradientAccumulation(8 * 16, accum_dtype=None),
+    )
 
 def _sizes_unknown(): # a batch sampler that cannot be copied (it holds a lock): its sizes cannot be read ahead
     import threading
@@ -159,7 +193,9 @@ def _sizes_unknown(): # a batch sampler that cannot be copied (it holds a lock):
         def __init__(self, *args): super().__init__(*args); self.lock = threading.Lock()
     learn = digits_learner(16, n_train=200, cbs=GradientAccumulation(64))
     x,y = digits_data()
-    learn.dls.train = torch.utils.data.DataLoader(list(zip(x[:200], y[:200])), batch_sampler=Unmeasurable(range(200), 16, False))
+    learn.dls.train = torch.utils.data.DataLoader(
+        list(zip(x[:200], y[:200])), batch_sampler=Unmeasurable(range(200), 16, False)
+    )
     return learn
 
 def _smoothing_with_weights():
@@ -171,11 +207,21 @@ def _smoothing_with_weights():
 # the other warnings of the library a one-process fit can give: (learner, words of the message, troubleshooting id)
 OTHER_WARNINGS = {
     'accum-dtype': (_bf16_sums, 'accum_dtype=None) summed a window of 16', 'accum-dtype'),
-    'empty': (lambda: digits_learner(16, n_train=64, drop_last=True, cbs=GradientAccumulation(128, drop_last=True)), 'no step', 'empty'),
-    'past-start': (lambda: digits_learner(16, n_train=320, cbs=GradientAccumulationSchedule(32, 64, start=3, finish=4)),
-                   '`start`=3 is past the end', 'past-start'),
-    'not-a-multiple': (lambda: digits_learner(16, n_train=320, cbs=GradientAccumulationSchedule(40, 64)),
-                       '`start_accum_bs`=40 is not a multiple', 'start_accum_bs'),
+    'empty': (
+        lambda: digits_learner(16, n_train=64, drop_last=True, cbs=GradientAccumulation(128, drop_last=True)),
+        'no step',
+        'empty',
+    ),
+    'past-start': (
+        lambda: digits_learner(16, n_train=320, cbs=GradientAccumulationSchedule(32, 64, start=3, finish=4)),
+        '`start`=3 is past the end',
+        'past-start',
+    ),
+    'not-a-multiple': (
+        lambda: digits_learner(16, n_train=320, cbs=GradientAccumulationSchedule(40, 64)),
+        '`start_accum_bs`=40 is not a multiple',
+        'start_accum_bs',
+    ),
     'noplan': (_sizes_unknown, 'not known ahead', 'noplan'),
     'ls-weight': (_smoothing_with_weights, 'with class weights', 'ls-weight'),
 }
@@ -200,7 +246,8 @@ def test_tracebacks_hide_the_patch_layer(splitter):
     import os, traceback
     cb = GradientAccumulation(64) if splitter == 'ga' else MicroBatching(16)
     learn = digits_learner(16 if splitter == 'ga' else 64, cbs=[cb, Boom()])
-    with pytest.raises(ValueError, match='boom in the user callback') as e, learn.no_bar(), learn.no_logging(): learn.fit(1)
+    with pytest.raises(ValueError, match='boom in the user callback') as e, learn.no_bar(), learn.no_logging():
+        learn.fit(1)
     frames = [f for f,_ in traceback.walk_tb(e.value.__traceback__)]
     patch = [f for f in frames if f.f_code.co_filename.endswith(os.path.join('fastxtend_accum', 'patches.py'))]
     assert len(patch) >= 3, [f.f_code.co_name for f in frames] # fit, the dispatch, one_batch at least

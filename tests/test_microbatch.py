@@ -1,9 +1,10 @@
 "`MicroBatching`: exactness, out-of-memory recovery (simulated on the CPU, real on a GPU), composition with fastai's callbacks, DDP"
+
 import gc, json, math, os, re, warnings, pytest
 import torch.nn.functional as F
 from contextlib import contextmanager
 from fastai.basics import *
-from fastai.callback.fp16 import MixedPrecision, AMPMode
+from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientClip
 from fastai.data.load import DataLoader as FastaiDataLoader
 from fastxtend_accum.all import *
@@ -15,15 +16,18 @@ from helpers import assert_same_training, no_grads, CPUMixedPrecision, Overflow
 
 class SimulatedOOM(nn.Module):
     "Identity that raises `torch.OutOfMemoryError` on a training micro-batch above `limit` samples, in the forward or the backward"
+
     def __init__(self, limit=None, where='forward', fail_at=()):
         super().__init__()
-        self.limit,self.where,self.fail_at = limit,where,set(fail_at) # `fail_at`: training forward calls (0-based) that fail once
+        # `fail_at`: training forward calls (0-based) that fail once
+        self.limit,self.where,self.fail_at = limit,where,set(fail_at)
         self.calls,self.sizes = 0,[] # `sizes`: micro-batches whose forward went through
     def forward(self, x):
         if not torch.is_grad_enabled(): return x # validation: no activations kept, no limit
         n,call = x.shape[0],self.calls
         self.calls += 1
-        if call in self.fail_at: raise torch.OutOfMemoryError(f'simulated: call {call}')
+        if call in self.fail_at:
+            raise torch.OutOfMemoryError(f'simulated: call {call}')
         too_big = self.limit is not None and n > self.limit
         if too_big and self.where == 'forward': raise torch.OutOfMemoryError(f'simulated: {n} > {self.limit}')
         self.sizes.append(n)
@@ -114,7 +118,8 @@ def test_auto_oom_in_backward_drops_partial_gradients():
 
 def test_auto_oom_mid_batch_restarts_the_batch():
     "An OOM in a batch's 2nd micro-batch, after the 1st went through forward and backward: the batch restarts in 3 parts (22)"
-    # forward calls: batch 0 tries 64 (fails: limit 32), then 32+32; batches 1-4: 32+32; batch 5: 32 (call 11), 32 (call 12) fails
+    # forward calls: batch 0 tries 64 (fails: limit 32), then 32+32; batches 1-4: 32+32; batch 5: 32 (call 11), 32 (call
+    # 12) fails
     auto = fit(oom_learner(64, 32, fail_at=[12], cbs=MicroBatching('auto', verbose=False)))
     large = fit(digits_learner(64))
     cb = auto.micro_batching
@@ -125,7 +130,10 @@ def test_auto_oom_mid_batch_restarts_the_batch():
 
 def test_does_not_fit_even_one_sample():
     learn = oom_learner(64, 0)
-    with pytest.raises(torch.OutOfMemoryError, match='a training batch of 64 samples does not fit in memory even in micro-batches of 1 sample'):
+    with pytest.raises(
+        torch.OutOfMemoryError,
+        match='a training batch of 64 samples does not fit in memory even in micro-batches of 1 sample',
+    ):
         fit(learn, extra=MicroBatching('auto', verbose=False))
     assert no_grads(learn)
     assert batch_taker(learn) is None # `fit(cbs=...)` removed the callback, and its override with it
@@ -157,19 +165,26 @@ class Cost(nn.Module):
 def test_fastest_times_real_steps(capsys):
     "Fits up to 32; timed at 32, 22 and 16 (64 in 2, 3, 4 parts; 2 timed steps each, after a warm-up); 16 is the fastest"
     clock = FakeClock()
-    cost = lambda n: 5.0 if n > 16 else 1.0 + 0.01*n # above 16 thrashes the allocator: 32: 10 s per batch, 22+21+21: 15 s, 16: 4.64 s
+    # above 16 thrashes the allocator: 32: 10 s per batch, 22+21+21: 15 s, 16: 4.64 s
+    cost = lambda n: 5.0 if n > 16 else 1.0 + 0.01*n
     cb = MicroBatching('fastest', n_timed=2)
     cb.timer = clock
-    learn = with_module(oom_learner(64, 32, cbs=cb), Cost(clock, cost)) # model: linear, Cost, SimulatedOOM, relu, linear
+    # model: linear, Cost, SimulatedOOM, relu, linear
+    learn = with_module(oom_learner(64, 32, cbs=cb), Cost(clock, cost))
     learn = fit(learn)
     large = fit(digits_learner(64))
     test_eq(list(cb.throughput), [32, 22, 16])
-    test_close(cb.throughput[32], 64/10.0); test_close(cb.throughput[22], 64/15.0); test_close(cb.throughput[16], 64/4.64)
+    test_close(cb.throughput[32], 64 / 10.0)
+    test_close(cb.throughput[22], 64 / 15.0)
+    test_close(cb.throughput[16], 64 / 4.64)
     test_eq(cb.chosen_micro_bs, 16)
     test_eq(cb.ooms, [(0,0,64,64)])
     # batch 0 fits at 32 (warm-up), 1-2 timed; 3 warm-up at 22, 4-5 timed; 6 warm-up at 16, 7-8 timed; then 16
     sizes = learn.model[2].sizes
-    test_eq(sizes[:6], [32]*6); test_eq(sizes[6:15], [22,21,21]*3); test_eq(sizes[15:27], [16]*12); test_eq(sizes[27:31], [16]*4)
+    test_eq(sizes[:6], [32] * 6)
+    test_eq(sizes[6:15], [22, 21, 21] * 3)
+    test_eq(sizes[15:27], [16] * 12)
+    test_eq(sizes[27:31], [16] * 4)
     assert_same_training(large, learn) # the timed steps are real training steps, with the exact gradient
     out = capsys.readouterr().out
     assert "samples/s by micro-batch size: 32: 6.4, 22: 4.3, 16: 13.8; training on with micro-batches of 16" in out
@@ -213,11 +228,18 @@ class AutocastProbe(nn.Module):
 def test_autocast_on_every_micro_batch():
     "bf16 autocast is reopened for each micro-batch (and after an OOM retry), and left closed after the batch"
     probe = AutocastProbe()
-    auto = with_module(oom_learner(64, 16, dtype=torch.float32, cbs=[MicroBatching('auto', verbose=False), CPUMixedPrecision(amp_mode='bf16')]), probe)
+    auto = with_module(
+        oom_learner(
+            64, 16, dtype=torch.float32, cbs=[MicroBatching('auto', verbose=False), CPUMixedPrecision(amp_mode='bf16')]
+        ),
+        probe,
+    )
+
     class AutocastClosed(Callback):
         def after_batch(self): assert not torch.is_autocast_enabled('cpu')
     fit(auto, extra=AutocastClosed())
-    test_eq(len(probe.on), 1 + 1 + 1 + 2*(23*4+2)) # the probe sits before the limit: it sees the attempts at 64, 32 and 22 too
+    # the probe sits before the limit: it sees the attempts at 64, 32 and 22 too
+    test_eq(len(probe.on), 1 + 1 + 1 + 2*(23*4+2))
     assert all(probe.on) # autocast on for every micro-batch, the retries after an OOM included
     assert not torch.is_autocast_enabled('cpu')
     large = fit(digits_learner(64, dtype=torch.float32, cbs=CPUMixedPrecision(amp_mode='bf16')))
@@ -261,7 +283,9 @@ def token_learner(bs, cbs=None):
     x,y = digits_data()
     y = y.clone(); y[::3] = -100; y[16:32] = -100; y[1500:] = digits_data()[1][1500:]
     trn,val = list(zip(x[:1500],y[:1500])),list(zip(x[1500:],y[1500:]))
-    dls = DataLoaders(FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=256, device='cpu'), device='cpu')
+    dls = DataLoaders(
+        FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=256, device='cpu'), device='cpu'
+    )
     return Learner(dls, digits_mlp(), loss_func=nn.CrossEntropyLoss(ignore_index=-100), opt_func=SGD, lr=0.1,
                    cbs=L(cbs) + L(Float64SmoothLoss()))
 
@@ -276,10 +300,13 @@ def test_normalize_by_tokens():
 
 def test_cancel_batch_mid_way_leaves_no_gradients():
     "A callback cancels a batch in its 3rd micro-batch's `after_loss`: no step, no gradient left, as fastai does for the batch"
+
     class Cancel(Callback):
         def __init__(self, at): self.at,self.seen = at,0
         def after_loss(self):
-            if self.training and self.seen <= self.at < self.seen+find_bs(self.yb): self.seen += find_bs(self.yb); raise CancelBatchException()
+            if self.training and self.seen <= self.at < self.seen + find_bs(self.yb):
+                self.seen += find_bs(self.yb)
+                raise CancelBatchException()
             if self.training: self.seen += find_bs(self.yb)
     micro = fit(digits_learner(64, cbs=MicroBatching(16)), extra=Cancel(64*3+40))
     large = fit(digits_learner(64), extra=Cancel(64*3+40))
@@ -290,7 +317,7 @@ def test_cancel_batch_mid_way_leaves_no_gradients():
 def test_tensorboard_and_wandb_one_row_per_step(tmp_path, monkeypatch):
     "fastai's W&B and TensorBoard callbacks, with this library's patches, log once per batch: once per optimizer step"
     import wandb
-    import fastxtend_accum.patches # the library's adapters: patches of fastai's callbacks
+    import fastxtend_accum.patches  # noqa: F401 the library's adapters: patches of fastai's callbacks
     from fastai.callback.tensorboard import TensorBoardCallback
     from fastai.callback.wandb import WandbCallback
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -306,7 +333,8 @@ def test_tensorboard_and_wandb_one_row_per_step(tmp_path, monkeypatch):
     losses = [float(o) for o in learn.recorder.losses]
     test_eq(len(losses), 24)
     train_rows = [r for r in rows if 'raw_loss' in r]
-    test_close([float(r['train_loss']) for r in train_rows], losses, eps=1e-8) # one W&B row per step, the Recorder's loss
+    # one W&B row per step, the Recorder's loss
+    test_close([float(r['train_loss']) for r in train_rows], losses, eps=1e-8)
     ea = EventAccumulator(str(next((tmp_path/'tb').glob('**/events*')))).Reload()
     by_step = {}
     for e in ea.Scalars('train_loss'): by_step.setdefault(e.step, e.value)
@@ -332,7 +360,8 @@ def test_export_load_learner(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         loaded = load_learner(tmp_path/'micro.pkl')
-    assert not any(isinstance(cb, MicroBatching) for cb in loaded.cbs) # left out of the file: it loads with fastai alone
+    # left out of the file: it loads with fastai alone
+    assert not any(isinstance(cb, MicroBatching) for cb in loaded.cbs)
     test_eq(learn.micro_batching.micro_bs, 'auto') # still attached to the Learner that exported
     assert batch_taker(loaded) is None and batch_taker(learn) is None
     test_close(loaded.model(learn.dls.valid.one_batch()[0]), learn.model(learn.dls.valid.one_batch()[0]), eps=1e-12)
@@ -370,7 +399,10 @@ def _ddp_run(rank, tmp):
     import torch.distributed as dist
     from datetime import timedelta
     from torch.nn.parallel import DistributedDataParallel as DDP
-    dist.init_process_group('gloo', init_method=f'file://{tmp}/rdzv', rank=rank, world_size=2, timeout=timedelta(seconds=60))
+
+    dist.init_process_group(
+        'gloo', init_method=f'file://{tmp}/rdzv', rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     x,y = digits_data()
     idx = [i for s in range(0, 1500, 64) for i in range(s, min(s+64, 1500))[rank::2]]
     dls = lambda: DataLoaders(FastaiDataLoader(list(zip(x[idx], y[idx])), bs=32, device='cpu'),
@@ -390,7 +422,9 @@ def _ddp_run(rank, tmp):
                         cbs=[MicroBatching(micro_bs, verbose=False), Float64SmoothLoss()])
         fit(learn, n_epoch=1)
         cb = learn.micro_batching
-        res[mode] = dict(diff=max_param_diff(ref.model, ddp.module), no_sync=n_no_sync[0], chosen=cb.chosen_micro_bs, ooms=cb.ooms)
+        res[mode] = dict(
+            diff=max_param_diff(ref.model, ddp.module), no_sync=n_no_sync[0], chosen=cb.chosen_micro_bs, ooms=cb.ooms
+        )
     (Path(tmp)/f'rank{rank}.json').write_text(json.dumps(res))
     dist.destroy_process_group()
 
@@ -415,25 +449,32 @@ def test_ddp_two_processes(tmp_path):
         assert p.exitcode == 0, err.read_text() if err.exists() else f'rank {r}: exit code {p.exitcode}'
     r0,r1 = [json.loads((tmp_path/f'rank{r}.json').read_text()) for r in (0, 1)]
     for r in (r0, r1):
-        assert r['int']['diff'] < 1e-8 and r['auto']['diff'] < 1e-8 # each process ends where one process with batches of 64 ends
+        # each process ends where one process with batches of 64 ends
+        assert r['int']['diff'] < 1e-8 and r['auto']['diff'] < 1e-8
         test_eq(r['int']['chosen'], 8)
         test_eq(r['int']['no_sync'], 23*3 + 1) # 4 micro-batches of 8 (3 in no_sync), the last batch 7+7 (1)
         test_eq(r['auto']['chosen'], 8)
-        test_eq(r['auto']['ooms'], [[0,0,32,32], [0,0,32,16], [0,0,32,11]]) # rank 0 fit at 16 and 11, rank 1 did not: both went to 8
+        # rank 0 fit at 16 and 11, rank 1 did not: both went to 8
+        test_eq(r['auto']['ooms'], [[0,0,32,32], [0,0,32,16], [0,0,32,11]])
     # 'auto' runs every micro-batch in no_sync and averages the gradients itself; failed attempts entered no_sync too:
     # rank 0: 1 (32) + 2 (16) + 3 (11+11+10) + 4 (8), rank 1: 1 (32) + 1 (16, failed at the first) + 1 (11, same) + 4,
     # then 22*4, and 7+7 for the last
     test_eq(r0['auto']['no_sync'], 1 + 2 + 3 + 4 + 22*4 + 2)
     test_eq(r1['auto']['no_sync'], 1 + 1 + 1 + 4 + 22*4 + 2)
-    print(f"DDP: max |param diff| vs one process with batches of 64: int {r0['int']['diff']:.2e}, auto {r0['auto']['diff']:.2e}")
+    print(
+        f"DDP: max |param diff| vs one process with batches of 64: int {r0['int']['diff']:.2e}, auto {r0['auto']['diff']:.2e}"
+    )
+
 
 # --- a real out-of-memory error: only where CUDA is present ---
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU: a real out-of-memory error')
 WIDTH = 2**20 # 4 MiB of float32 per sample per hidden activation: activations dominate memory
 # Under fp16 the first layer's 16-bit weight gradient and its float32 cast are alive together in its backward,
-# whatever the batch: with 64 inputs (128 + 256 MiB) they set a peak flat from 1 to 64 samples, so the slope `per` was 0 and
-# the cap had no room for anything the fit adds: 'auto' failed down to 1 sample (test_oom_retry.py measures it on the CPU).
+# whatever the batch: with 64 inputs (128 + 256 MiB) they set a peak flat from 1 to 64 samples, so the slope `per` was 0
+# and
+# the cap had no room for anything the fit adds: 'auto' failed down to 1 sample (test_oom_retry.py measures it on the
+# CPU).
 # With 8 inputs the activations set the peak under fp16 too (4 MiB a sample).
 AMP_IN = 8
 
@@ -447,7 +488,11 @@ def wide_learner(bs, n=64*6, cbs=None, n_in=64):
     g = torch.Generator().manual_seed(0)
     x,y = torch.randn(n, n_in, generator=g),torch.randint(0, 10, (n,), generator=g)
     # a validation set of 8 in batches of 4: its activations (no gradient, not split) stay under the memory caps below
-    dls = DataLoaders(FastaiDataLoader(list(zip(x,y)), bs=bs, device='cuda'), FastaiDataLoader(list(zip(x[:8],y[:8])), bs=4, device='cuda'), device='cuda')
+    dls = DataLoaders(
+        FastaiDataLoader(list(zip(x, y)), bs=bs, device='cuda'),
+        FastaiDataLoader(list(zip(x[:8], y[:8])), bs=4, device='cuda'),
+        device='cuda',
+    )
     return Learner(dls, wide_mlp(n_in), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=1e-3, cbs=cbs)
 
 def peak_of(model, n, amp=False):
@@ -455,7 +500,8 @@ def peak_of(model, n, amp=False):
     x,y = torch.randn(n, model[0].in_features, device='cuda'),torch.randint(0, 10, (n,), device='cuda')
     scaler = torch.amp.GradScaler('cuda', enabled=amp)
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-    with torch.autocast('cuda', dtype=torch.float16, enabled=amp): loss = nn.functional.cross_entropy(model(x).float(), y)
+    with torch.autocast('cuda', dtype=torch.float16, enabled=amp):
+        loss = nn.functional.cross_entropy(model(x).float(), y)
     scaler.scale(loss).backward()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated()
@@ -488,8 +534,10 @@ def test_gpu_real_oom_auto():
     with memory_cap(16):
         auto = fit(wide_learner(64, cbs=MicroBatching('auto')))
         cb = auto.micro_batching
-        # the size that fits depends on the card and its allocator (on an H100 with torch 2.11: 6, after real OOMs from 64
-        # down to 7): what holds everywhere is that the first OOM is the whole batch's, and all of them happen in the first
+        # the size that fits depends on the card and its allocator (on an H100 with torch 2.11: 6, after real OOMs from
+        # 64
+        # down to 7): what holds everywhere is that the first OOM is the whole batch's, and all of them happen in the
+        # first
         # batch, whose size the fit then keeps
         assert cb.ooms[0] == (0,0,64,64) and all(o[:2] == (0,0) for o in cb.ooms), cb.ooms
         assert cb.chosen_micro_bs < 64 and cb.chosen_micro_bs < min(o[3] for o in cb.ooms)
@@ -507,7 +555,8 @@ def test_gpu_real_oom_mixed_precision():
         auto = fit(wide_learner(64, cbs=[MicroBatching('auto'), MixedPrecision()], n_in=AMP_IN))
         cb = auto.micro_batching
         assert cb.ooms[0] == (0,0,64,64) and all(o[:2] == (0,0) for o in cb.ooms), cb.ooms
-        assert 16 <= cb.chosen_micro_bs < 32, (cb.chosen_micro_bs, cb.ooms) # 22 where the fit adds nothing to the probe's peak
+        # 22 where the fit adds nothing to the probe's peak
+        assert 16 <= cb.chosen_micro_bs < 32, (cb.chosen_micro_bs, cb.ooms)
     diff = max((p-q).abs().max().item() for p,q in zip(auto.model.parameters(), ref_params))
     assert diff < 1e-3, diff
 
@@ -579,11 +628,18 @@ def test_bad_flags(kwargs, msg):
 
 # --- stateful models: fastai's AWD_LSTM on a language model's streams ---
 
-def lm_loss(pred, targ): return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), TensorBase(targ).as_subclass(Tensor).reshape(-1))
+def lm_loss(pred, targ):
+    return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), TensorBase(targ).as_subclass(Tensor).reshape(-1))
+
 
 class ResetHidden(Callback):
     "fastai's `ModelResetter`, for the AWD_LSTM's hidden state only; no validation (fastai's `WeightDropout` fails in eval mode on torch 2.13)"
-    def before_train(self): enc = self.model[0]; enc.bs = 1; enc.hidden = [enc._one_hidden(l) for l in range(enc.n_layers)]
+
+    def before_train(self):
+        enc = self.model[0]
+        enc.bs = 1
+        enc.hidden = [enc._one_hidden(l) for l in range(enc.n_layers)]
+
     def before_validate(self): raise CancelValidException()
 
 def lm_learner(cbs=(), bs=32, seq_len=12, n_steps=12):
@@ -595,7 +651,17 @@ def lm_learner(cbs=(), bs=32, seq_len=12, n_steps=12):
     from fastai.callback.rnn import RNNCallback
     text = ''.join(pydoc_data.topics.topics.values())[:bs*seq_len*n_steps + bs]
     dl = lambda: LMDataLoader([tensor(encode(text))], bs=bs, seq_len=seq_len, shuffle=False)
-    cfg = dict(awd_lstm_lm_config, emb_sz=16, n_hid=24, n_layers=2, input_p=0., hidden_p=0., weight_p=0., embed_p=0., output_p=0.)
+    cfg = dict(
+        awd_lstm_lm_config,
+        emb_sz=16,
+        n_hid=24,
+        n_layers=2,
+        input_p=0.0,
+        hidden_p=0.0,
+        weight_p=0.0,
+        embed_p=0.0,
+        output_p=0.0,
+    )
     torch.manual_seed(0); torch.set_default_dtype(torch.float64)
     try: model = get_language_model(AWD_LSTM, VOCAB, config=cfg)
     finally: torch.set_default_dtype(torch.float32)
@@ -614,7 +680,9 @@ def test_awd_lstm_streams_are_exact(monkeypatch):
     monkeypatch.setattr(M.RowStates, 'modules_of', staticmethod(lambda model: [])) # the state handed on as it comes
     blind = fit(lm_learner([MicroBatching(8)]), n_epoch=1)
     d = max_param_diff(large, blind)
-    print(f'AWD_LSTM, micro-batches of 8 in batches of 32: exact {max_param_diff(large, micro):.1e}, without row states {d:.1e}')
+    print(
+        f'AWD_LSTM, micro-batches of 8 in batches of 32: exact {max_param_diff(large, micro):.1e}, without row states {d:.1e}'
+    )
     assert d > 1e-4 # the test has teeth
 
 def test_other_stateful_models_are_refused():
@@ -627,4 +695,5 @@ def test_other_stateful_models_are_refused():
     learn.model = Carry()
     with pytest.raises(ValueError, match='Carry has `reset`.*Use GradientAccumulation instead'): fit(learn, n_epoch=1)
     assert no_grads(learn) and batch_taker(learn) is None
-    fit(digits_learner(64, cbs=MicroBatching('auto')), n_epoch=1) # a batch that fits whole is never split: nothing to refuse
+    # a batch that fits whole is never split: nothing to refuse
+    fit(digits_learner(64, cbs=MicroBatching('auto')), n_epoch=1)

@@ -3,6 +3,7 @@ after an attempt fails in the forward or in the backward, no tensor it made is a
 gradients), autocast's nesting and cache are as the attempt found them, the GradScaler's state is unchanged and the memory the
 attempt's tensors held is back to its level. And the premise of the GPU test under fp16: a memory cap between what 16 and 32
 samples need exists for its model (with 64 inputs, fp16's copies of the first layer set a peak that no batch size moves)."""
+
 import pytest, torch
 from fastai.basics import *
 from fastxtend_accum.all import *
@@ -19,10 +20,16 @@ def scaler_state(learn):
     s = getattr(learn, 'scaler', None)
     if s is None or not s.is_enabled(): return None
     t = lambda o: None if o is None else o.item()
-    return (t(s._scale), t(s._growth_tracker), {k: (v['stage'], len(v['found_inf_per_device'])) for k,v in s._per_optimizer_states.items()})
+    return (
+        t(s._scale),
+        t(s._growth_tracker),
+        {k: (v['stage'], len(v['found_inf_per_device'])) for k, v in s._per_optimizer_states.items()},
+    )
+
 
 class FailOnce(nn.Module):
     "Identity that raises `torch.OutOfMemoryError` in its `at`-th training forward call, in the forward or in a backward hook"
+
     def __init__(self, at, where): super().__init__(); self.at,self.where,self.calls = at,where,0
     def forward(self, x):
         if not torch.is_grad_enabled(): return x
@@ -56,7 +63,8 @@ def test_failed_attempt_leaves_nothing(amp, where):
     mp = CPUMixedPrecision(amp_mode=amp) # CPU autocast; fp16: with a (CPU) GradScaler
     cb = MicroBatching('auto', verbose=False)
     learn = digits_learner(64, dtype=torch.float32, n_train=64*6, cbs=[cb, mp])
-    # calls of the failing module: batch 0 tries 64 (fails at SimulatedOOM: the module after it never runs), then 2 x 32;
+    # calls of the failing module: batch 0 tries 64 (fails at SimulatedOOM: the module after it never runs), then 2 x
+    # 32;
     # batches 1, 2: 2 x 32 each; batch 3's 2nd micro-batch (call 7) fails
     learn.model = nn.Sequential(learn.model[0], SimulatedOOM(32), FailOnce(7, where), *learn.model[1:])
     live = LiveBytes()
@@ -68,11 +76,13 @@ def test_failed_attempt_leaves_nothing(amp, where):
         before,retry = watch.found[i],watch.found[i+1]
         left = retry['storages'] - before['storages']
         assert not left, f"the failed attempt {i} left {len(left)} tensors alive, made by {[live.ops[p] for p in left]}"
-        assert retry['bytes'] <= before['bytes'], (retry['bytes'], before['bytes']) # less: the previous batch's predictions, dropped
+        # less: the previous batch's predictions, dropped
+        assert retry['bytes'] <= before['bytes'], (retry['bytes'], before['bytes'])
         for k in ('nesting', 'enabled', 'dtype', 'scaler'): test_eq((k, retry[k]), (k, before[k]))
     test_eq(watch.found[0]['nesting'], 1) # fastai's `MixedPrecision.before_batch` opened autocast
     test_eq(nesting(), 0); assert not torch.is_autocast_enabled('cpu')
-    if amp == 'fp16': assert watch.found[watch.failures[1]]['scaler'][0] is not None # a scale that the retry must not have changed
+    # a scale that the retry must not have changed
+    if amp == 'fp16': assert watch.found[watch.failures[1]]['scaler'][0] is not None
 
 def test_gpu_test_cap_separates_16_from_32_under_16bit():
     """The GPU test of a real OOM under fp16 (`test_gpu_real_oom_mixed_precision`) caps memory at base + 1.5*16*per (per: the

@@ -7,9 +7,9 @@ from torch import nn
 from fastai.basics import *
 from fastai.callback.training import GradientClip
 from fastxtend_accum.all import *
-from fastxtend_accum.precision import FloatGrads, check_accum_dtype, MANY_MICRO_BATCHES
-from fastxtend_accum.test_utils import digits_dls, digits_data, FirstStepGrad
-from figures_precision import N, loss_func, model, learner, fit, first_step_error, reference_grad, rel_err
+from fastxtend_accum.precision import FloatGrads, MANY_MICRO_BATCHES
+from fastxtend_accum.test_utils import digits_data
+from figures_precision import loss_func, model, learner, fit, first_step_error, rel_err
 import precision_worker as W
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -18,6 +18,7 @@ DTYPES = [torch.bfloat16, torch.float16]
 def large_err():
     "The large batch's first-step error against float64, per dtype"
     return {dt: first_step_error(dt, None) for dt in DTYPES}
+
 
 @pytest.mark.parametrize('dtype', DTYPES, ids=['bf16', 'fp16'])
 @pytest.mark.parametrize('k', [16, 256])
@@ -51,8 +52,19 @@ def test_steps_track_float32_sums(opt_func, dtype):
     "5 steps of windows of 16 micro-batches: the parameters summing in float32 by hand gives, exactly; not so in 16 bits"
     bs,k,steps = 16,16,5
     ref = by_hand(dtype, bs, k, steps, opt_func, lr=1e-2)
-    runs = {ad: fit(learner(dtype, bs, GradientAccumulation(bs*k, accum_dtype=ad), opt_func=opt_func, lr=1e-2, n_train=bs*k*steps))
-            for ad in (torch.float32, None)}
+    runs = {
+        ad: fit(
+            learner(
+                dtype,
+                bs,
+                GradientAccumulation(bs * k, accum_dtype=ad),
+                opt_func=opt_func,
+                lr=1e-2,
+                n_train=bs * k * steps,
+            )
+        )
+        for ad in (torch.float32, None)
+    }
     for p,q in zip(ref.parameters(), runs[torch.float32].model.parameters()): test_eq(p, q)
     assert any((p != q).any() for p,q in zip(ref.parameters(), runs[None].model.parameters()))
 
@@ -67,12 +79,15 @@ def test_gradient_clip_clips_the_mean_once():
 
 class Peak(Callback):
     "After each micro-batch's backward whether p.grad is held; in each parameter's hook, before FloatGrads', the bytes of gradients and sums"
+
     order = -100 # its hooks registered before FloatGrads' (at the accumulation callback's `before_fit`): they run first
     def before_fit(self):
         self.fg = next(cb for cb in self.learn.cbs if hasattr(cb, 'fgrads')).fgrads
         self.grads_held,self.peak = [],0
-        self.hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(self, 'peak', max(self.peak, self._bytes())))
-                      for p in self.learn.model.parameters()]
+        self.hooks = [
+            p.register_post_accumulate_grad_hook(lambda p: setattr(self, 'peak', max(self.peak, self._bytes())))
+            for p in self.learn.model.parameters()
+        ]
     def _bytes(self):
         g = sum(p.grad.numel()*p.grad.element_size() for p in self.learn.model.parameters() if p.grad is not None)
         return g + sum(b.numel()*b.element_size() for b in self.fg.bufs if b is not None)
@@ -102,7 +117,9 @@ def test_warns_once_in_16_bits():
             with learn.no_bar(), learn.no_logging(): learn.fit(epochs)
         return [str(o.message) for o in w if 'accum_dtype' in str(o.message)]
     msgs = warned(torch.bfloat16, MANY_MICRO_BATCHES, epochs=2)
-    assert len(msgs) == 1 and 'bfloat16' in msgs[0] and '2.1e-2' in msgs[0] and 'accum_dtype=torch.float32' in msgs[0], msgs
+    assert (
+        len(msgs) == 1 and 'bfloat16' in msgs[0] and '2.1e-2' in msgs[0] and 'accum_dtype=torch.float32' in msgs[0]
+    ), msgs
     test_eq(warned(torch.bfloat16, MANY_MICRO_BATCHES-1), [])
     test_eq(warned(torch.bfloat16, MANY_MICRO_BATCHES, torch.float32), [])
     test_eq(warned(torch.float32, MANY_MICRO_BATCHES), [])
@@ -110,7 +127,9 @@ def test_warns_once_in_16_bits():
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64], ids=['fp32', 'fp64'])
 def test_no_op_on_wider_models(dtype):
     "A float32 or float64 model: accum_dtype=float32 sums nothing aside (the float64 gradient is never narrowed)"
-    runs = [fit(learner(dtype, 16, GradientAccumulation(64, accum_dtype=ad), n_train=256)) for ad in (torch.float32, None)]
+    runs = [
+        fit(learner(dtype, 16, GradientAccumulation(64, accum_dtype=ad), n_train=256)) for ad in (torch.float32, None)
+    ]
     for p,q in zip(*(r.model.parameters() for r in runs)): test_eq(p, q)
     fg = FloatGrads(torch.float32); fg.attach(model(dtype))
     assert not fg.active
@@ -121,12 +140,16 @@ def test_errors_name_the_value():
         with pytest.raises(ValueError, match='accum_dtype'): MicroBatching(8, accum_dtype=bad)
     test_eq(GradientAccumulationSchedule(64, 128, accum_dtype=None).fgrads.accum_dtype, None)
     fg = FloatGrads(torch.float32); fg.attach(model(torch.bfloat16))
-    with pytest.raises(ValueError, match='MixedPrecisionPolicy'): fg.check(type('S', (), dict(sharded=True, world_size=2, grad_sync='auto'))())
-    with pytest.raises(ValueError, match="grad_sync='micro_batch'"): fg.check(type('S', (), dict(sharded=False, world_size=2, grad_sync='micro_batch'))())
+    with pytest.raises(ValueError, match='MixedPrecisionPolicy'):
+        fg.check(type('S', (), dict(sharded=True, world_size=2, grad_sync='auto'))())
+    with pytest.raises(ValueError, match="grad_sync='micro_batch'"):
+        fg.check(type('S', (), dict(sharded=False, world_size=2, grad_sync='micro_batch'))())
+
 
 def test_abandoned_window_and_failed_fit_leave_nothing():
     "drop_last's short window and a fit that raises mid-window: no float32 sums, no hooks, no gradient left"
-    learn = learner(torch.bfloat16, 16, GradientAccumulation(256, drop_last=True), n_train=16*24) # one window and a short one
+    # one window and a short one
+    learn = learner(torch.bfloat16, 16, GradientAccumulation(256, drop_last=True), n_train=16*24)
     fit(learn)
     assert all(p.grad is None or not p.grad.any() for p in learn.model.parameters())
     class Boom(Callback):
@@ -206,8 +229,14 @@ def test_ddp_16_bit_baseline(ddp):
 def test_bench_quick(tmp_path):
     "`bench/precision.py --quick` runs and prints its ratio lines (no target judged here: `make bench` does, side by side)"
     root = os.path.dirname(HERE)
-    p = subprocess.run([sys.executable, os.path.join(root, 'bench', 'precision.py'), '--quick', '--out', str(tmp_path)], cwd=root,
-                       capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore'))
+    p = subprocess.run(
+        [sys.executable, os.path.join(root, 'bench', 'precision.py'), '--quick', '--out', str(tmp_path)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore'),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     for key in ('mlp/sgd', 'mlp/adam'):
         for measure in ('peak_gradient_memory', 'peak_memory', 'cpu_time'):
@@ -222,7 +251,10 @@ def test_bench_quick(tmp_path):
 def test_fsdp2_refused(ddp):
     "A bfloat16 model sharded with FSDP2: accum_dtype refuses it on both processes, before any micro-batch, and names the fix"
     for r in ddp['fsdp2']:
-        assert r['error'] is not None and 'MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)' in r['error'], r
+        assert (
+            r['error'] is not None
+            and 'MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)' in r['error']
+        ), r
         assert 'accum_dtype=None' in r['error']
 
 def test_window_past_its_target_is_scaled_in_float32():

@@ -5,7 +5,7 @@ import pytest
 import torch, torch.nn.functional as F
 from torch.utils.data import DataLoader as TorchDataLoader, BatchSampler, SequentialSampler
 from fastai.basics import *
-from fastai.callback.schedule import SchedCos, SchedLin, SchedExp, SchedNo, combined_cos
+from fastai.callback.schedule import SchedCos, SchedLin, SchedExp, combined_cos
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.callback.schedule import GradientAccumulationSchedule
 from fastxtend_accum.test_utils import digits_data, digits_mlp, digits_learner, max_param_diff, Float64SmoothLoss
@@ -22,7 +22,9 @@ class WindowLog(Callback):
     def after_batch(self):
         cb = self.gradient_accumulation_schedule
         if self.training and cb.window_closed:
-            self.windows.append((self.epoch, self._first, cb.windows.window.samples, cb.windows.window_bs)); self._first = None
+            self.windows.append((self.epoch, self._first, cb.windows.window.samples, cb.windows.window_bs))
+            self._first = None
+
     def after_train(self): self._first = None
 
 def micro_sizes(n_train, mbs=MBS): return [mbs]*(n_train//mbs) + ([n_train%mbs] if n_train%mbs else [])
@@ -119,7 +121,13 @@ def test_decreasing_and_mixed_start_finish():
 def test_one_cycle_hyper_parameters():
     "fit_one_cycle with momentum: every window trains at the lr and mom of its first micro-batch's progress"
     n_train,n_epoch = 500,2
-    learn = fit(GradientAccumulationSchedule(32, 128, finish=0.5), n_epoch, n_train, one_cycle=True, opt_func=partial(SGD, mom=0.9))
+    learn = fit(
+        GradientAccumulationSchedule(32, 128, finish=0.5),
+        n_epoch,
+        n_train,
+        one_cycle=True,
+        opt_func=partial(SGD, mom=0.9),
+    )
     exp = expected_windows(n_train, n_epoch, bs_schedule(32, 128, 0., 0.5, SchedCos))
     assert learn.window_log.windows == exp
     lr_at = lambda p: float(combined_cos(0.25, 0.1/25, 0.1, 0.1/1e5)(p))
@@ -159,7 +167,8 @@ def test_log_accum_batch_false_and_normalize_by():
 def test_lr_find(tmp_path):
     "lr_find runs its own short fit of num_it optimizer steps: the size stays at start_accum_bs"
     cb = GradientAccumulationSchedule(32, 128, start=1, finish=3)
-    learn = digits_learner(MBS, n_train=500, cbs=[cb, WindowLog()], path=tmp_path) # lr_find saves the model under `path`
+    # lr_find saves the model under `path`
+    learn = digits_learner(MBS, n_train=500, cbs=[cb, WindowLog()], path=tmp_path)
     with learn.no_logging(), learn.no_bar(): learn.lr_find(num_it=20, show_plot=False)
     assert {t for *_,t in learn.window_log.windows} == {32} and len(learn.window_log.windows) == 20 # num_it steps
     learn = fit(cb, 4, 500, learn=learn)              # then the schedule runs as planned
@@ -171,7 +180,15 @@ def _torch_learner(cb, n_train, batch_sampler):
     tdl = (TorchDataLoader(trn, batch_sampler=BatchSampler(SequentialSampler(trn), MBS, False)) if batch_sampler
            else TorchDataLoader(trn, batch_size=MBS))
     dls = DataLoaders(tdl, TorchDataLoader(val, batch_size=256), device='cpu')
-    return Learner(dls, digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[cb, WindowLog(), Float64SmoothLoss()])
+    return Learner(
+        dls,
+        digits_mlp(),
+        loss_func=nn.CrossEntropyLoss(),
+        opt_func=SGD,
+        lr=0.1,
+        cbs=[cb, WindowLog(), Float64SmoothLoss()],
+    )
+
 
 @pytest.mark.parametrize('batch_sampler,micro_batch_size', [(False, None), (True, None), (True, MBS)])
 def test_pytorch_loaders(batch_sampler, micro_batch_size):
@@ -206,15 +223,26 @@ def test_bad_input():
     _fails(lambda: fit(G(32, 64, start=1, finish=0.2), 2, 500), '`start`=1 is after `finish`=0.2')
     _fails(lambda: fit(G(32, 8), 1, 500), '`final_accum_bs`=8 is below the micro-batch size 16')
     _fails(lambda: fit(G(8, 64), 1, 500), '`start_accum_bs`=8 is below the micro-batch size 16')
-    _fails(lambda: fit(G(32, 64, micro_batch_size=32), 1, 500), '`micro_batch_size`=32 but the training loader yields micro-batches of 16')
+    _fails(
+        lambda: fit(G(32, 64, micro_batch_size=32), 1, 500),
+        '`micro_batch_size`=32 but the training loader yields micro-batches of 16',
+    )
     cb = G(8, 64)  # a batch sampler: the micro-batch size is found at the first micro-batch, and checked there
-    _fails(lambda: fit(cb, 1, 500, learn=_torch_learner(cb, 500, True)), '`start_accum_bs`=8 is below the micro-batch size 16')
+    _fails(
+        lambda: fit(cb, 1, 500, learn=_torch_learner(cb, 500, True)),
+        '`start_accum_bs`=8 is below the micro-batch size 16',
+    )
+
 
 def test_not_a_multiple_warns():
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
         learn = fit(GradientAccumulationSchedule(40, 40), 1, 500)
-    assert any('`start_accum_bs`=40 is not a multiple of the micro-batch size 16: its windows hold 48 samples' in str(o.message) for o in w)
+    assert any(
+        '`start_accum_bs`=40 is not a multiple of the micro-batch size 16: its windows hold 48 samples'
+        in str(o.message)
+        for o in w
+    )
     assert {N for _,_,N,_ in learn.window_log.windows[:-1]} == {48}
 
 @pytest.mark.parametrize('start,finish,pct_start,pct_finish', [(0, 3, 0, 1.), (3, 1.0, 1., 1.), (1, 5, 0.5, 1.)])

@@ -15,12 +15,23 @@ from test_distributed import free_port
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, 'sharded_worker.py')
 ENV = dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
-TIMEOUT = 600 # seconds for a whole launch (2 loaded cores); a collective that hangs fails after `W.PG_TIMEOUT` seconds
+TIMEOUT = 600  # seconds for a whole launch (2 loaded cores); a collective that hangs fails after `W.PG_TIMEOUT` seconds
+
 
 def launch(out, cases, before=False):
     "Run the cases on 2 processes under torchrun (bounded); what each rank wrote, by case"
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max_restarts=0', '--master_addr=127.0.0.1',
-           f'--master_port={free_port()}', WORKER, str(out), ','.join(cases)]
+    cmd = [
+        sys.executable,
+        '-m',
+        'torch.distributed.run',
+        '--nproc_per_node=2',
+        '--max_restarts=0',
+        '--master_addr=127.0.0.1',
+        f'--master_port={free_port()}',
+        WORKER,
+        str(out),
+        ','.join(cases),
+    ]
     env = dict(ENV, FXA_BEFORE='1') if before else ENV
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=os.path.dirname(HERE))
     errors = '\n'.join(l for l in p.stderr.splitlines() if re.search(r'\[rank\d\]: \S*(Error|Exception)\b', l))
@@ -74,12 +85,21 @@ def reference(res, opt='adam', n_epochs=(2,), cbs=(), with_save=False, path=None
         dls = DataLoaders(torch.utils.data.DataLoader(samples, batch_sampler=sampler),
                           W.FastaiDataLoader(val, bs=W.MICRO_BS, device='cpu'), device='cpu')
         if learn is None:
-            learn = Learner(dls, model or digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=of, lr=lr, cbs=[Float64SmoothLoss()] + list(cbs))
+            learn = Learner(
+                dls,
+                model or digits_mlp(seed=0),
+                loss_func=nn.CrossEntropyLoss(),
+                opt_func=of,
+                lr=lr,
+                cbs=[Float64SmoothLoss()] + list(cbs),
+            )
             if path is not None: learn.path = path
         else: learn.dls = dls
         extra = SaveModelCallback(fname='best', with_opt=True) if with_save else None
         with learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(n, cbs=extra)
-        snaps.append(([p.detach().clone() for p in learn.model.parameters()], deepcopy(to_device(learn.opt.state_dict(), 'cpu'))))
+        snaps.append(
+            ([p.detach().clone() for p in learn.model.parameters()], deepcopy(to_device(learn.opt.state_dict(), 'cpu')))
+        )
     return learn,snaps
 
 def max_diff(a, b): return max((p-q).abs().max().item() for p,q in zip(a, b))
@@ -92,7 +112,8 @@ def opt_diff(a, b)->float:
     d = 0.
     for (_,s),(_,t) in zip(items(sa), items(sb)):
         for k in s:
-            if isinstance(s[k], Tensor): d = max(d, (s[k].double()-t[k].double()).abs().max().item() if s[k].numel() else 0.)
+            if isinstance(s[k], Tensor):
+                d = max(d, (s[k].double() - t[k].double()).abs().max().item() if s[k].numel() else 0.0)
             elif s[k] != t[k]: return float('inf')
     return d
 
@@ -124,7 +145,8 @@ def test_fsdp1_fastai_sgd_clips_on_the_global_norm(runs):
         print(f'fsdp1_sgd: max |param diff| {d:.3g}; optimizer state {opt_diff(r["opt"], snaps[0][1]):.3g}')
         assert d < 1e-8 and opt_diff(r['opt'], snaps[0][1]) < 1e-8
     (l0,w0),(l1,w1) = [r['norms'] for r in res['fsdp1_sgd']]
-    assert w0 == pytest.approx(w1, rel=1e-12) and w0[0] > W.MAX_NORM # the same whole norm on both processes, and it clips
+    # the same whole norm on both processes, and it clips
+    assert w0 == pytest.approx(w1, rel=1e-12) and w0[0] > W.MAX_NORM
     print(f'first step: norm of each process part {l0[0]:.3g} and {l1[0]:.3g}, of the whole gradient {w0[0]:.3g}')
     assert abs(l0[0] - w0[0]) > 0.01 and abs(l1[0] - w0[0]) > 0.01
 
@@ -169,10 +191,19 @@ def test_checkpoints_are_plain_and_lr_find_restores(runs, tmp_path):
     ref_state = torch.load(tmp_path/'models'/'best.pth', weights_only=False)
     assert set(state) == {'model', 'opt'} and list(state['model']) == list(ref_state['model'])
     d = max((state['model'][k] - v).abs().max().item() for k,v in ref_state['model'].items())
-    print(f'save_load: the checkpoint against one process: model {d:.3g}, optimizer {opt_diff(state["opt"], ref_state["opt"]):.3g}')
+    print(
+        f'save_load: the checkpoint against one process: model {d:.3g}, optimizer {opt_diff(state["opt"], ref_state["opt"]):.3g}'
+    )
     assert d < 1e-8 and opt_diff(state['opt'], ref_state['opt']) < 1e-8
     from fastxtend_accum.test_utils import digits_mlp
-    learn = Learner(DataLoaders(device='cpu'), digits_mlp(seed=1), loss_func=nn.CrossEntropyLoss(), opt_func=Adam, path=out/'save_load')
+
+    learn = Learner(
+        DataLoaders(device='cpu'),
+        digits_mlp(seed=1),
+        loss_func=nn.CrossEntropyLoss(),
+        opt_func=Adam,
+        path=out / 'save_load',
+    )
     learn.load('best', device='cpu') # fastai's own load, one process
     assert max_diff([p.detach() for p in learn.model.parameters()], r0['params']) < 1e-12
 
@@ -227,8 +258,10 @@ def test_before_fastai_optimizer_on_fsdp1(before):
 
 def test_before_gradient_clip_on_fsdp1(before):
     (l0,w0),(l1,w1) = [r['norms'] for r in before['before_clip_fsdp1']]
-    print(f'before, GradientClip on FSDP1, first step: each process clips by the norm of its part, {l0[0]:.3g} and {l1[0]:.3g}, '
-          f'where the whole gradient has {w0[0]:.3g}')
+    print(
+        f'before, GradientClip on FSDP1, first step: each process clips by the norm of its part, {l0[0]:.3g} and {l1[0]:.3g}, '
+        f'where the whole gradient has {w0[0]:.3g}'
+    )
     assert abs(l0[0] - w0[0]) > 0.01
 
 # ---- tied weights (issue 24)
@@ -252,6 +285,8 @@ def test_tied_weights_default_policy(tied, case, opt):
 def test_tied_weights_split_by_a_policy_are_refused(tied):
     "A policy that shards each Linear apart would split the pair: refused before anything is sharded, saying how to fix it"
     for r in tied['tied_refused']:
-        assert ("`0.weight` and `2.weight` are one parameter (tied weights), and the policy shards `0` as a block of its own "
-                "without `2`") in r['error'], r['error']
+        assert (
+            "`0.weight` and `2.weight` are one parameter (tied weights), and the policy shards `0` as a block of its own "
+            "without `2`"
+        ) in r['error'], r['error']
         assert 'Nothing was sharded' in r['error'] and r['untouched'] and r['group_after']

@@ -10,7 +10,7 @@ from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader
 from fastxtend_accum.all import *
 from fastxtend_accum.test_utils import *
-from contract_worker import TempCE # the loss with a learnable temperature the 2-process cases train too
+from contract_worker import TempCE  # the loss with a learnable temperature the 2-process cases train too
 
 MICRO,ACCUM,N_TRAIN,EPS = 16,64,250,1e-10
 
@@ -20,7 +20,12 @@ def dls(bs, nan_at=None, drop_last=False):
     x = x.clone()
     if nan_at is not None: x[nan_at, 10] = float('nan')
     trn,val = Samples(zip(x[:N_TRAIN], y[:N_TRAIN])),Samples(zip(x[-200:], y[-200:]))
-    return DataLoaders(FastaiDataLoader(trn, bs=bs, drop_last=drop_last, device='cpu'), FastaiDataLoader(val, bs=200, device='cpu'), device='cpu')
+    return DataLoaders(
+        FastaiDataLoader(trn, bs=bs, drop_last=drop_last, device='cpu'),
+        FastaiDataLoader(val, bs=200, device='cpu'),
+        device='cpu',
+    )
+
 
 def fit(learn, n_epoch=2):
     with learn.no_logging(), learn.no_bar(), warnings.catch_warnings():
@@ -29,8 +34,15 @@ def fit(learn, n_epoch=2):
     return learn
 
 def learner(bs, cbs=(), nan_at=None, loss_func=None, drop_last=False, **kwargs):
-    return Learner(dls(bs, nan_at, drop_last), digits_mlp(seed=0), loss_func=loss_func or nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1,
-                   cbs=[Float64SmoothLoss(), *cbs], **kwargs)
+    return Learner(
+        dls(bs, nan_at, drop_last),
+        digits_mlp(seed=0),
+        loss_func=loss_func or nn.CrossEntropyLoss(),
+        opt_func=SGD,
+        lr=0.1,
+        cbs=[Float64SmoothLoss(), *cbs],
+        **kwargs,
+    )
 
 ACCUMULATE = {'GradientAccumulation': lambda: (MICRO, [GradientAccumulation(ACCUM)]),
               'GradientAccumulationSchedule': lambda: (MICRO, [GradientAccumulationSchedule(ACCUM, ACCUM)]),
@@ -49,7 +61,10 @@ class StepView(Callback):
 
 class L2Term(Callback):
     "A regulariser added in `before_backward`: `loss_grad` then differs from `loss`"
-    def before_backward(self): self.learn.loss_grad = self.learn.loss_grad + 1e-2*sum((p**2).sum() for p in self.model.parameters())
+
+    def before_backward(self):
+        self.learn.loss_grad = self.learn.loss_grad + 1e-2 * sum((p**2).sum() for p in self.model.parameters())
+
 
 def same_seen(a, b):
     assert len(a) == len(b) and len(a) == 2*2*math.ceil(N_TRAIN/ACCUM), (len(a), len(b))
@@ -99,7 +114,10 @@ def test_a_parameter_of_the_loss_in_the_optimizer_steps_as_on_the_large_batch(na
     bs,cbs = ACCUMULATE[name]()
     accum = fit(temp_learner(bs, cbs))
     assert max_param_diff(large, accum) < EPS
-    assert abs(large.loss_func.t.item() - accum.loss_func.t.item()) < EPS, (large.loss_func.t.item(), accum.loss_func.t.item())
+    assert abs(large.loss_func.t.item() - accum.loss_func.t.item()) < EPS, (
+        large.loss_func.t.item(),
+        accum.loss_func.t.item(),
+    )
     assert large.loss_func.t.item() != 1.
 
 def test_a_dropped_window_leaves_no_gradient_in_a_parameter_of_the_loss():
@@ -111,6 +129,7 @@ def test_a_dropped_window_leaves_no_gradient_in_a_parameter_of_the_loss():
 
 class EMA(Callback):
     "An EMA of the weights, updated once per optimizer step: in `after_step` (in `after_batch` it would update per micro-batch)"
+
     order,decay = 80,0.9
     def __init__(self, event='after_step'): setattr(self, event, self._update)
     def before_fit(self): self.ema = [p.detach().clone() for p in self.model.parameters()]
@@ -136,13 +155,23 @@ class TGrad(Callback):
 
 def test_a_16_bit_model_sums_in_float32_and_still_scales_a_parameter_of_the_loss():
     "bfloat16 model (its window summed in float32, `precision`), float64 temperature: the short window's gradient is its mean too"
+
     def run(bs, cbs=()):
         x,y = digits_data(torch.bfloat16)
         trn,val = Samples(zip(x[:N_TRAIN], y[:N_TRAIN])),Samples(zip(x[-200:], y[-200:]))
-        d = DataLoaders(FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=200, device='cpu'), device='cpu')
+        d = DataLoaders(
+            FastaiDataLoader(trn, bs=bs, device='cpu'), FastaiDataLoader(val, bs=200, device='cpu'), device='cpu'
+        )
         lf = TempCE()
-        learn = Learner(d, digits_mlp(seed=0, dtype=torch.bfloat16), loss_func=lambda p,y: lf(p.double(), y), opt_func=SGD, lr=0.,
-                        splitter=lambda m: [list(m.parameters()), [lf.t]], cbs=[*cbs, TGrad(), Float64SmoothLoss()])
+        learn = Learner(
+            d,
+            digits_mlp(seed=0, dtype=torch.bfloat16),
+            loss_func=lambda p, y: lf(p.double(), y),
+            opt_func=SGD,
+            lr=0.0,
+            splitter=lambda m: [list(m.parameters()), [lf.t]],
+            cbs=[*cbs, TGrad(), Float64SmoothLoss()],
+        )
         learn.loss_func.t = lf.t
         return fit(learn, 1)
     large,accum = run(ACCUM),run(MICRO, [GradientAccumulation(ACCUM)])

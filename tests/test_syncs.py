@@ -25,10 +25,18 @@ def test_loop_without_sync_counts_zero():
     with SyncCounter() as c: loop(5)
     assert c.total == 0, c.report()
 
-@pytest.mark.parametrize('sync,kind', [(lambda l: l.item(), 'item/bool/float'), (lambda l: float(l.detach()), 'item/bool/float'),
-                                       (lambda l: bool(l > 0), 'item/bool/float'), (lambda l: l.detach().cpu(), '.cpu()'),
-                                       (lambda l: l.detach().tolist(), '.tolist()'),
-                                       (lambda l: l.detach().numpy(), '.numpy()'), (lambda l: torch.equal(l, l), 'equal')])
+@pytest.mark.parametrize(
+    'sync,kind',
+    [
+        (lambda l: l.item(), 'item/bool/float'),
+        (lambda l: float(l.detach()), 'item/bool/float'),
+        (lambda l: bool(l > 0), 'item/bool/float'),
+        (lambda l: l.detach().cpu(), '.cpu()'),
+        (lambda l: l.detach().tolist(), '.tolist()'),
+        (lambda l: l.detach().numpy(), '.numpy()'),
+        (lambda l: torch.equal(l, l), 'equal'),
+    ],
+)
 def test_one_sync_per_step_is_seen(sync, kind):
     with SyncCounter() as c: loop(5, sync)
     assert c.total == 5 and c.by_kind == {kind: 5}, c.report()
@@ -55,7 +63,8 @@ def test_pause_loader():
     dl = ListingDL(ds, batch_size=4)
     with SyncCounter() as c:
         for xb,yb in dl: pass
-    assert c.by_kind['.tolist()'] == 3 and c.by_kind['item/bool/float'] == 1, c.report() # PyTorch's sampler draws its seed
+    # PyTorch's sampler draws its seed
+    assert c.by_kind['.tolist()'] == 3 and c.by_kind['item/bool/float'] == 1, c.report()
     pause_loader(dl, c)
     c.reset()
     with c:
@@ -102,9 +111,15 @@ def _per_epoch(learn):
     return counts[1].total-counts[0].total,counts[1]
 
 CE,CE_SUM = nn.CrossEntropyLoss(),nn.CrossEntropyLoss(reduction='sum')
-CE_WEIGHTED = nn.CrossEntropyLoss(weight=torch.tensor([0., 0.5, 2.])) # a zero class weight: counts of 0 are guarded on the device
-COUNTERS = {'auto': ('auto', CE), 'samples': ('samples', CE), 'sum': ('sum', CE_SUM), 'auto, class weights': ('auto', CE_WEIGHTED),
-            'TokenCount()': (None, CE)}
+# a zero class weight: counts of 0 are guarded on the device
+CE_WEIGHTED = nn.CrossEntropyLoss(weight=torch.tensor([0., 0.5, 2.]))
+COUNTERS = {
+    'auto': ('auto', CE),
+    'samples': ('samples', CE),
+    'sum': ('sum', CE_SUM),
+    'auto, class weights': ('auto', CE_WEIGHTED),
+    'TokenCount()': (None, CE),
+}
 
 def _callback(kind, normalize_by):
     from fastxtend_accum.all import GradientAccumulation, GradientAccumulationSchedule, MicroBatching, TokenCount
@@ -170,14 +185,22 @@ def test_blocking_copy_rule():
     from syncs import blocking_copy
     t,T = torch.zeros(2),torch.Tensor
     gpu = dict(host_is_device=False)
-    assert blocking_copy(T.to, (t, 'cuda'), {}, **gpu) and blocking_copy(T.to, (t,), {'device': torch.device('cuda', 0)}, **gpu)
+    assert blocking_copy(T.to, (t, 'cuda'), {}, **gpu) and blocking_copy(
+        T.to, (t,), {'device': torch.device('cuda', 0)}, **gpu
+    )
     assert blocking_copy(T.to, (t, 'cuda', torch.float16), {}, **gpu) and blocking_copy(T.cuda, (t,), {}, **gpu)
-    assert not blocking_copy(T.to, (t, 'cuda'), {'non_blocking': True}, **gpu) and not blocking_copy(T.to, (t, 'cuda', torch.float16, True), {}, **gpu)
-    assert not blocking_copy(T.to, (t, torch.float16), {}, **gpu) and not blocking_copy(T.to, (t, 'cpu'), {}, **gpu) # dtype; no move
-    assert not blocking_copy(T.copy_, (t, torch.ones(2)), {}, **gpu) and not blocking_copy(T.cuda, (t,), {'non_blocking': True}, **gpu)
+    assert not blocking_copy(T.to, (t, 'cuda'), {'non_blocking': True}, **gpu) and not blocking_copy(
+        T.to, (t, 'cuda', torch.float16, True), {}, **gpu
+    )
+    # dtype; no move
+    assert not blocking_copy(T.to, (t, torch.float16), {}, **gpu) and not blocking_copy(T.to, (t, 'cpu'), {}, **gpu)
+    assert not blocking_copy(T.copy_, (t, torch.ones(2)), {}, **gpu) and not blocking_copy(
+        T.cuda, (t,), {'non_blocking': True}, **gpu
+    )
     cpu = dict(host_is_device=True) # no GPU: a named device of a host tensor is the device
     assert blocking_copy(T.to, (t, 'cpu'), {}, **cpu) and blocking_copy(T.to, (t,), {'device': 'cpu'}, **cpu)
-    assert not blocking_copy(T.to, (t, torch.ones(1, dtype=torch.float64)), {}, **cpu) # `.to(other)`: a dtype change here
+    # `.to(other)`: a dtype change here
+    assert not blocking_copy(T.to, (t, torch.ones(1, dtype=torch.float64)), {}, **cpu)
     assert not blocking_copy(T.to, (t, 'cpu'), {'non_blocking': True}, **cpu)
 
 def test_copies_counted_while_paused_once_per_tensor():

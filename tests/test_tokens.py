@@ -14,16 +14,23 @@ def fit(learn):
 
 def test_micro_batches_are_uneven():
     "The test has teeth only if the micro-batches' token counts differ, and their padding too"
-    counts,pads = zip(*[((y != IGNORE).sum().item(), (y == IGNORE).sum().item()) for _,y in text_dl(text_samples(300), MICRO_BS)])
+    counts, pads = zip(
+        *[((y != IGNORE).sum().item(), (y == IGNORE).sum().item()) for _, y in text_dl(text_samples(300), MICRO_BS)]
+    )
     print(f'tokens per micro-batch: {min(counts)} to {max(counts)}; padding targets: {min(pads)} to {max(pads)}')
     assert max(counts) > 1.5*min(counts) and min(pads) > 0
 
 def test_token_mean_matches_large_batch():
     large = fit(text_learner(ACCUM_BS))
-    accum = fit(text_learner(MICRO_BS, cbs=[GradientAccumulation(ACCUM_BS, normalize_by=TokenCount(ignore_index=IGNORE))]))
-    naive = fit(text_learner(MICRO_BS, cbs=[GradientAccumulation(ACCUM_BS, normalize_by='samples')])) # each micro-batch weighted by its samples
+    accum = fit(
+        text_learner(MICRO_BS, cbs=[GradientAccumulation(ACCUM_BS, normalize_by=TokenCount(ignore_index=IGNORE))])
+    )
+    # each micro-batch weighted by its samples
+    naive = fit(text_learner(MICRO_BS, cbs=[GradientAccumulation(ACCUM_BS, normalize_by='samples')]))
     d_tokens,d_naive = max_param_diff(large, accum),max_param_diff(large, naive)
-    print(f'max |param diff| vs the large batch: TokenCount {d_tokens:.3g}, samples (per-micro-batch mean) {d_naive:.3g}')
+    print(
+        f'max |param diff| vs the large batch: TokenCount {d_tokens:.3g}, samples (per-micro-batch mean) {d_naive:.3g}'
+    )
     assert d_tokens < 1e-8
     assert d_naive > 1e-4
     assert accum.gradient_accumulation.n_steps == len(large.recorder.losses) == 10
@@ -32,7 +39,7 @@ def test_token_mean_matches_large_batch():
     assert not torch.allclose(torch.stack(naive.recorder.losses), torch.stack(large.recorder.losses), rtol=0, atol=1e-4)
 
 # ---- normalize_by='auto' (issue 17): no argument, exact for losses that average over something other than samples ----
-import re, sys, warnings
+import sys, warnings
 import pytest
 from fastai.basics import *
 from fastai.callback.mixup import MixUp
@@ -56,12 +63,20 @@ def quiet(learn, n_epoch=1):
 def lm(bs, cb=None, loss_func=None):
     "The causal LM on padded lines (labels -100), PyTorch's CrossEntropyLoss unless told"
     loss_func = nn.CrossEntropyLoss() if loss_func is None else loss_func
-    return quiet(text_learner(bs, n=LM_LINES, model=CausalLM(), loss_func=loss_func, lr=0.1, cbs=L(cb) + [FirstStepGrad()]))
+    return quiet(
+        text_learner(bs, n=LM_LINES, model=CausalLM(), loss_func=loss_func, lr=0.1, cbs=L(cb) + [FirstStepGrad()])
+    )
+
 
 def split(kind, normalize_by=None):
     "GradientAccumulation(32) on micro-batches of 8, or MicroBatching(8) on batches of 32: (loader bs, callback)"
     kw = {} if normalize_by is None else dict(normalize_by=normalize_by)
-    return (LM_MICRO, GradientAccumulation(LM_ACCUM, **kw)) if kind == 'accum' else (LM_ACCUM, MicroBatching(LM_MICRO, verbose=False, **kw))
+    return (
+        (LM_MICRO, GradientAccumulation(LM_ACCUM, **kw))
+        if kind == 'accum'
+        else (LM_ACCUM, MicroBatching(LM_MICRO, verbose=False, **kw))
+    )
+
 
 @pytest.fixture(scope='module')
 def lm_large(): return lm(LM_ACCUM)
@@ -77,8 +92,10 @@ def test_auto_padded_lm_pytorch_loss(lm_large, kind, capsys):
         assert capsys.readouterr().out.count("normalize_by='auto' counts what CrossEntropyLoss averages over") == 1
     samples = lm(*split(kind, 'samples'))
     g,h = lm_large.first_step_grad.grad,samples.first_step_grad.grad
-    print(f"{kind}: max |param diff| 'auto' {max_param_diff(lm_large, auto):.2g}, 'samples' {max_param_diff(lm_large, samples):.2g} "
-          f"(first step {((h-g).norm()/g.norm()).item():.2%} off)")
+    print(
+        f"{kind}: max |param diff| 'auto' {max_param_diff(lm_large, auto):.2g}, 'samples' {max_param_diff(lm_large, samples):.2g} "
+        f"(first step {((h - g).norm() / g.norm()).item():.2%} off)"
+    )
     assert max_param_diff(lm_large, samples) > 1e-4 and (h-g).norm()/g.norm() > 1e-2
 
 def test_auto_print_follows_verbose(capsys):
@@ -93,12 +110,17 @@ def test_auto_padded_lm_fastai_loss():
     large = lm(LM_ACCUM, loss_func=flat)
     for kind in ('accum', 'micro'):
         auto,samples = lm(*split(kind), loss_func=flat),lm(*split(kind, 'samples'), loss_func=flat)
-        print(f"{kind}: max |param diff| 'auto' {max_param_diff(large, auto):.2g}, 'samples' {max_param_diff(large, samples):.2g}")
+        print(
+            f"{kind}: max |param diff| 'auto' {max_param_diff(large, auto):.2g}, 'samples' {max_param_diff(large, samples):.2g}"
+        )
         assert max_param_diff(large, auto) < 1e-7 and max_param_diff(large, samples) > 1e-4
 
 class L2Term(Callback):
     "A term added to the loss in `after_loss`: the loss's graph is then not the cross-entropy's alone"
-    def after_loss(self): self.learn.loss_grad = self.learn.loss_grad + 1e-3*sum(p.pow(2).sum() for p in self.model.parameters())
+
+    def after_loss(self):
+        self.learn.loss_grad = self.learn.loss_grad + 1e-3 * sum(p.pow(2).sum() for p in self.model.parameters())
+
 
 def test_auto_reads_each_count_from_the_loss(lm_large, monkeypatch):
     """'auto' takes a cross-entropy's count from the loss's graph (`normalize.loss_items`: no tensor op), not by counting the
@@ -115,7 +137,11 @@ def test_auto_reads_each_count_from_the_loss(lm_large, monkeypatch):
     term_large,term = lm(LM_ACCUM, L2Term()),lm(LM_MICRO, [GradientAccumulation(LM_ACCUM), L2Term()])
     assert_same_training(term_large, term)
     assert len(calls) >= n_mb, (len(calls), n_mb)
-    assert max_param_diff(term_large, lm(LM_MICRO, [GradientAccumulation(LM_ACCUM, normalize_by='samples'), L2Term()])) > 1e-4
+    assert (
+        max_param_diff(term_large, lm(LM_MICRO, [GradientAccumulation(LM_ACCUM, normalize_by='samples'), L2Term()]))
+        > 1e-4
+    )
+
 
 def test_auto_label_smoothing_class_weights_and_ignore_index():
     "PyTorch's label smoothing divides by the same sum of the non-ignored targets' weights: 'auto' counts it"
@@ -123,7 +149,9 @@ def test_auto_label_smoothing_class_weights_and_ignore_index():
     large = lm(LM_ACCUM, loss_func=loss)
     for kind in ('accum', 'micro'):
         auto = lm(*split(kind), loss_func=loss)
-        assert repr(getattr(auto, {'accum': 'gradient_accumulation', 'micro': 'micro_batching'}[kind]).counter).startswith('WeightedTargetCount(')
+        assert repr(
+            getattr(auto, {'accum': 'gradient_accumulation', 'micro': 'micro_batching'}[kind]).counter
+        ).startswith('WeightedTargetCount(')
         assert_same_training(large, auto)
         assert max_param_diff(large, lm(*split(kind, 'samples'), loss_func=loss)) > 1e-4
 
@@ -146,9 +174,15 @@ def test_auto_class_weighted_ce(fastai):
         auto = weighted(16 if isinstance(cb, GradientAccumulation) else 64, cb, fastai)
         assert isinstance(cb.counter, WeightedTargetCount)
         assert max_param_diff(large, auto) < eps
-        cb = type(cb)(64, normalize_by='samples') if isinstance(cb, GradientAccumulation) else MicroBatching(16, normalize_by='samples', verbose=False)
+        cb = (
+            type(cb)(64, normalize_by='samples')
+            if isinstance(cb, GradientAccumulation)
+            else MicroBatching(16, normalize_by='samples', verbose=False)
+        )
         d = max_param_diff(large, weighted(16 if isinstance(cb, GradientAccumulation) else 64, cb, fastai))
-        print(f"{type(cb).__name__}, {'fastai' if fastai else 'PyTorch'}: max |param diff| 'auto' {max_param_diff(large, auto):.2g}, 'samples' {d:.2g}")
+        print(
+            f"{type(cb).__name__}, {'fastai' if fastai else 'PyTorch'}: max |param diff| 'auto' {max_param_diff(large, auto):.2g}, 'samples' {d:.2g}"
+        )
         assert d > 1e-3
 
 def test_explicit_samples_weights_each_micro_batch_by_its_samples():
@@ -162,14 +196,21 @@ def test_explicit_samples_weights_each_micro_batch_by_its_samples():
 @pytest.mark.parametrize('kind', ['accum', 'micro'])
 def test_plain_function_on_ignored_targets_warns_once(kind):
     "A loss 'auto' cannot read, on targets that hold -100: samples are counted, and one warning names TokenCount"
-    bs,cb = (MICRO_BS, GradientAccumulation(ACCUM_BS)) if kind == 'accum' else (ACCUM_BS, MicroBatching(MICRO_BS, verbose=False))
+    bs, cb = (
+        (MICRO_BS, GradientAccumulation(ACCUM_BS))
+        if kind == 'accum'
+        else (ACCUM_BS, MicroBatching(MICRO_BS, verbose=False))
+    )
     learn = quiet(text_learner(bs, cbs=[cb]), 2) # token_loss: a plain function
     assert isinstance(cb.counter, SampleCount)
     assert len(learn.warned) == 1 and 'normalize_by=TokenCount(ignore_index=-100)' in learn.warned[0]
     assert 'cannot read the loss token_loss' in learn.warned[0]
     assert not quiet(learn, 1).warned # the same callback, another fit: said already
     # digits' targets never hold -100: nothing to say
-    assert not quiet(digits_learner(16, loss_func=lambda p, y: F.cross_entropy(p, y), cbs=GradientAccumulation(64))).warned
+    assert not quiet(
+        digits_learner(16, loss_func=lambda p, y: F.cross_entropy(p, y), cbs=GradientAccumulation(64))
+    ).warned
+
 
 def test_fastai_label_smoothing_counts_samples():
     "fastai's LabelSmoothingCrossEntropy: samples, exact with no ignored targets; with -100 targets no count is, and it says so"
@@ -178,7 +219,9 @@ def test_fastai_label_smoothing_counts_samples():
     auto = quiet(digits_learner(16, loss_func=ls, cbs=GradientAccumulation(64)))
     assert isinstance(auto.gradient_accumulation.counter, SampleCount) and not auto.warned
     assert max_param_diff(large, auto) < 1e-7
-    learn = quiet(text_learner(MICRO_BS, loss_func=LabelSmoothingCrossEntropyFlat(), cbs=[GradientAccumulation(ACCUM_BS)]))
+    learn = quiet(
+        text_learner(MICRO_BS, loss_func=LabelSmoothingCrossEntropyFlat(), cbs=[GradientAccumulation(ACCUM_BS)])
+    )
     assert len(learn.warned) == 1 and 'smoothing term over every target' in learn.warned[0]
 
 def test_auto_reads_the_loss_of_each_fit():
@@ -199,7 +242,9 @@ def test_auto_reads_mixup_loss():
     class weights: 'auto' reads the loss at the epoch's first micro-batch, after that swap, and counts samples. (Not with
     MicroBatching: MixUp's loss holds the whole batch's second targets, which a micro-batch's predictions do not match)"""
     cb = GradientAccumulation(64)
-    learn = digits_learner(16, cbs=[cb, MixUp()], dtype=torch.float32, loss_func=CrossEntropyLossFlat(weight=CLASS_W.float()))
+    learn = digits_learner(
+        16, cbs=[cb, MixUp()], dtype=torch.float32, loss_func=CrossEntropyLossFlat(weight=CLASS_W.float())
+    )
     quiet(learn) # MixUp mixes in float32
     assert isinstance(cb.counter, SampleCount) and not learn.warned
 
@@ -214,19 +259,36 @@ def test_auto_hugging_face_gpt2(monkeypatch):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
-                                          eos_token_id=0, resid_pdrop=0., embd_pdrop=0., attn_pdrop=0.)
+            cfg = transformers.GPT2Config(
+                n_layer=2,
+                n_embd=32,
+                n_head=2,
+                vocab_size=VOCAB,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
             self.gpt2 = transformers.GPT2LMHeadModel(cfg).double()
         def forward(self, x): return self.gpt2(input_ids=x).logits.transpose(1, 2)
     def run(bs, cb=None):
         return quiet(text_learner(bs, n=LM_LINES, model=GPT2Logits(), loss_func=nn.CrossEntropyLoss(), lr=0.1,
                                   cbs=L(cb) + [FirstStepGrad()]))
-    large,auto,samples = run(LM_ACCUM),run(LM_MICRO, GradientAccumulation(LM_ACCUM)),run(LM_MICRO, GradientAccumulation(LM_ACCUM, normalize_by='samples'))
+
+    large, auto, samples = (
+        run(LM_ACCUM),
+        run(LM_MICRO, GradientAccumulation(LM_ACCUM)),
+        run(LM_MICRO, GradientAccumulation(LM_ACCUM, normalize_by='samples')),
+    )
     g = large.first_step_grad.grad
     off = {k: ((l.first_step_grad.grad-g).norm()/g.norm()).item() for k,l in [('auto', auto), ('samples', samples)]}
-    print(f"transformers {transformers.__version__} GPT-2, {len(large.recorder.losses)} steps: 'auto' first step {off['auto']:.1e} off, "
-          f"max |param diff| {max_param_diff(large, auto):.1e}; 'samples' first step {off['samples']:.2%} off, "
-          f"max |param diff| {max_param_diff(large, samples):.1e}")
+    print(
+        f"transformers {transformers.__version__} GPT-2, {len(large.recorder.losses)} steps: 'auto' first step {off['auto']:.1e} off, "
+        f"max |param diff| {max_param_diff(large, auto):.1e}; 'samples' first step {off['samples']:.2%} off, "
+        f"max |param diff| {max_param_diff(large, samples):.1e}"
+    )
     assert max_param_diff(large, auto) < 1e-8 and off['auto'] < 1e-10
     assert max_param_diff(large, samples) > 1e-4 and off['samples'] > 1e-2
 
@@ -250,7 +312,8 @@ def test_class_weights_summing_below_one_are_exact():
         with warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.fit(1)
         return m
     ref = run(16, [])
-    for bs,cb in ((4, GradientAccumulation(16)), (16, MicroBatching(4, verbose=False))): # 'auto': the loss's class weights
+    # 'auto': the loss's class weights
+    for bs,cb in ((4, GradientAccumulation(16)), (16, MicroBatching(4, verbose=False))):
         m = run(bs, [cb])
         assert max((p-q).abs().max().item() for p,q in zip(m.parameters(), ref.parameters())) < 1e-12, type(cb).__name__
 
@@ -297,7 +360,11 @@ class IgnoreThrees(Callback):
 
 def make(kind, cbs=(), normalize_by='auto', torch_loader=False):
     "GradientAccumulation(64) on micro-batches of 16, or MicroBatching(16) on batches of 64, on digits (fastai's or PyTorch's loader)"
-    cb = GradientAccumulation(64, normalize_by=normalize_by) if kind == 'accum' else MicroBatching(16, normalize_by=normalize_by, verbose=False)
+    cb = (
+        GradientAccumulation(64, normalize_by=normalize_by)
+        if kind == 'accum'
+        else MicroBatching(16, normalize_by=normalize_by, verbose=False)
+    )
     return digits_learner(16 if kind == 'accum' else 64, shuffle=True, torch_loader=torch_loader, cbs=[cb, *cbs]),cb
 
 @pytest.mark.parametrize('torch_loader', [False, True])
@@ -328,7 +395,10 @@ def test_classifier_targets_ignored_later_stop_the_fit(kind):
     """Targets set to -100 only after the first micro-batch: the epoch's check stops the fit, naming TokenCount; which then
     counts the targets the loss sees (GradientAccumulation counted them as yielded, before `before_batch`, until issue 26)"""
     auto,cb = make(kind, [IgnoreThrees(start=192)])
-    with pytest.raises(RuntimeError, match=r"losses averaged over \d+ targets where the micro-batches held 1500.*normalize_by=TokenCount\(ignore_index=-100\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"losses averaged over \d+ targets where the micro-batches held 1500.*normalize_by=TokenCount\(ignore_index=-100\)",
+    ):
         quiet(auto)
     assert len(auto.recorder.losses) == 0 or auto.epoch == 0 # stopped at the first epoch's end
     large = quiet(digits_learner(64, shuffle=True, cbs=IgnoreThrees(start=192)), 1)
@@ -361,7 +431,10 @@ def digits_block_learner(bs, cbs=(), batch_tfms=None):
     db = DataBlock(blocks=(TransformBlock(), CategoryBlock()), get_x=lambda i: x[i], get_y=lambda i: int(y[i]),
                    splitter=IndexSplitter(range(1500, 1797)), batch_tfms=batch_tfms)
     dls = db.dataloaders(range(1797), bs=bs, num_workers=0, device='cpu', shuffle=False)
-    return Learner(dls, digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss(), *cbs])
+    return Learner(
+        dls, digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=[Float64SmoothLoss(), *cbs]
+    )
+
 
 class ShiftLabels(Transform):
     "A user's batch transform on the class targets: 'auto' cannot tell what it makes of them"

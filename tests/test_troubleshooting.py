@@ -15,9 +15,16 @@ PAGE = ROOT/'nbs'/'troubleshooting.ipynb'
 
 # Messages left without a link, each with the reason: (file, words of the message or None for the whole file) -> why
 ALLOWED = {
-    ('test_utils.py', None): "helpers for the library's own tests (Replay, dealt orders): a user's fit never raises them",
-    ('sharded.py', 'an optimizer state tensor is missing'): "an internal check: under FSDP2 every process holds a part of "
-        "every parameter, so its optimizer state exists on all processes or on none",
+    (
+        'test_utils.py',
+        None,
+    ): "helpers for the library's own tests (Replay, dealt orders): a user's fit never raises them",
+    (
+        'sharded.py',
+        'an optimizer state tensor is missing',
+    ): "an internal check: under FSDP2 every process holds a part of "
+    "every parameter, so its optimizer state exists on all processes or on none",
+    ('patches.py', 'could not log config parameters'): "fastai's own message, where its `WandbCallback.before_fit` prints it",
 }
 # Warning ids computed from a parameter's name: the ids each can take
 COMPUTED_IDS = {"f'past-{name}'": ['past-start', 'past-finish'], 'name': ['start_accum_bs', 'final_accum_bs']}
@@ -48,7 +55,9 @@ def is_exception(node, mod)->bool:
     o = resolve(node, mod)
     return isinstance(o, type) and issubclass(o, BaseException)
 
-def call_name(node): return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+def call_name(node):
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
 
 def allowed(path, src, node)->bool:
     seg = ast.get_source_segment(src, node)
@@ -56,7 +65,12 @@ def allowed(path, src, node)->bool:
 
 def linked_id(arg):
     "The id of a `linked(msg, 'id')` call, or None when `arg` is not one"
-    if isinstance(arg, ast.Call) and call_name(arg.func) == 'linked' and len(arg.args) == 2 and isinstance(arg.args[1], ast.Constant):
+    if (
+        isinstance(arg, ast.Call)
+        and call_name(arg.func) == 'linked'
+        and len(arg.args) == 2
+        and isinstance(arg.args[1], ast.Constant)
+    ):
         return arg.args[1].value
 
 def messages():
@@ -66,12 +80,22 @@ def messages():
             if not isinstance(n, ast.Call): continue
             where = f'fastxtend_accum/{path}:{n.lineno}'
             if allowed(path, src, n): continue
-            if is_exception(n.func, mod) and (n.args or n.keywords): yield 'raise', where, n, linked_id(n.args[0]) if n.args else None
-            elif resolve(n.func, mod) is builtins.print: yield 'print', where, n, linked_id(n.args[0]) if n.args else None
-            elif call_name(n.func) == 'warn' and not (isinstance(n.func, ast.Attribute) and call_name(n.func.value) == 'warnings'):
+            if is_exception(n.func, mod) and (n.args or n.keywords):
+                yield 'raise', where, n, linked_id(n.args[0]) if n.args else None
+            elif resolve(n.func, mod) is builtins.print:
+                yield 'print', where, n, linked_id(n.args[0]) if n.args else None
+            elif call_name(n.func) == 'warn' and not (
+                isinstance(n.func, ast.Attribute) and call_name(n.func.value) == 'warnings'
+            ):
                 idn = n.args[1] if len(n.args) > 1 else next((k.value for k in n.keywords if k.arg == 'id'), None)
-                yield 'warn', where, n, idn.value if isinstance(idn, ast.Constant) else ast.unparse(idn) if idn is not None else None
-            elif call_name(n.func) in ('_warn_once', '_warn') and len(n.args) == 2: # the callbacks' warn-once helpers: (id, msg)
+                yield (
+                    'warn',
+                    where,
+                    n,
+                    idn.value if isinstance(idn, ast.Constant) else ast.unparse(idn) if idn is not None else None,
+                )
+            # the callbacks' warn-once helpers: (id, msg)
+            elif call_name(n.func) in ('_warn_once', '_warn') and len(n.args) == 2:
                 a = n.args[0]
                 yield 'warn', where, n, a.value if isinstance(a, ast.Constant) else ast.unparse(a)
 
@@ -82,8 +106,13 @@ def test_the_source_is_read():
 
 def test_every_raise_and_print_is_linked():
     ids = anchors()
-    bad = [f'{where}: {kind} without linked(msg, id)' if i is None else f'{where}: id {i!r} is no entry of troubleshooting.ipynb'
-           for kind,where,_,i in messages() if kind != 'warn' and i not in ids]
+    bad = [
+        f'{where}: {kind} without linked(msg, id)'
+        if i is None
+        else f'{where}: id {i!r} is no entry of troubleshooting.ipynb'
+        for kind, where, _, i in messages()
+        if kind != 'warn' and i not in ids
+    ]
     assert not bad, '\n'.join(bad)
 
 def test_every_warning_is_linked():
@@ -99,9 +128,16 @@ def test_every_warning_is_linked():
 
 def test_no_warnings_warn_outside_messages():
     "Only `messages.warn` calls `warnings.warn`: a direct call would give no link, and the wrong line"
-    bad = [f'fastxtend_accum/{p}:{n.lineno}' for p,src,tree,mod in modules() if p != 'messages.py' for n in ast.walk(tree)
-           if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == 'warn'
-           and call_name(n.func.value) == 'warnings']
+    bad = [
+        f'fastxtend_accum/{p}:{n.lineno}'
+        for p, src, tree, mod in modules()
+        if p != 'messages.py'
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == 'warn'
+        and call_name(n.func.value) == 'warnings'
+    ]
     assert not bad, bad
 
 def test_allow_list_is_current():
@@ -141,4 +177,6 @@ def test_schedule_start_after_finish_links_to_its_entry():
     from fastxtend_accum.test_utils import digits_learner
     learn = digits_learner(16, n_train=64, cbs=GradientAccumulationSchedule(32, 64, start=3, finish=0.5))
     with learn.no_bar(), learn.no_logging(): msg = _error(lambda: learn.fit(4))
-    assert '`start`=3 is after `finish`=0.5 in a fit of 4 epochs' in msg and msg.endswith(f"(see {doc_link('start-finish')})"), msg
+    assert '`start`=3 is after `finish`=0.5 in a fit of 4 epochs' in msg and msg.endswith(
+        f"(see {doc_link('start-finish')})"
+    ), msg

@@ -1,6 +1,7 @@
 """`fastxtend_accum.vision.all` (issue 39): fastai's `fastai.vision.all`, then this library, as the tabular and text modules do.
 torchvision does not import with this machine's CPU torch (see NOTES): the module is imported in a fresh process with a
 stand-in for it (`test_utils.torchvision_stand_in`), so nothing here imports torchvision for real."""
+
 import subprocess, sys, textwrap
 from pathlib import Path
 

@@ -22,15 +22,26 @@ class ToFloat64(Callback):
     order = -5
     def before_batch(self): self.learn.xb = tuple(x.double() if torch.is_floating_point(x) else x for x in self.xb)
 
-def flat_ce(p, y): return F.cross_entropy(p, y.view(-1).long()) # fastai's `CrossEntropyLossFlat` would compute in float32
+def flat_ce(p, y):
+    return F.cross_entropy(p, y.view(-1).long())  # fastai's `CrossEntropyLossFlat` would compute in float32
+
 
 def tabular_learn(bs, cbs=None, seed=0):
     "breast cancer (569 rows, 30 columns): 455 training rows in fastai's default training loader (shuffled, drop_last)"
     from sklearn.datasets import load_breast_cancer
     d = load_breast_cancer(as_frame=True)
     set_seed(seed) # the loader's shuffle (`random`, numpy) and the model's weights
-    dls = TabularDataLoaders.from_df(d.frame, procs=[Normalize], cont_names=list(d.feature_names), y_names='target',
-                                     y_block=CategoryBlock(), valid_idx=list(range(455, 569)), bs=bs, num_workers=0, device='cpu')
+    dls = TabularDataLoaders.from_df(
+        d.frame,
+        procs=[Normalize],
+        cont_names=list(d.feature_names),
+        y_names='target',
+        y_block=CategoryBlock(),
+        valid_idx=list(range(455, 569)),
+        bs=bs,
+        num_workers=0,
+        device='cpu',
+    )
     learn = tabular_learner(dls, layers=[16], config=tabular_config(use_bn=False, bn_cont=False), loss_func=flat_ce,
                             opt_func=Adam, cbs=[ToFloat64(), Float64SmoothLoss()] + L(cbs))
     learn.model.double()
@@ -49,19 +60,22 @@ def lm_learn(bs, cbs=None, seed=0, n_train=360):
     trn,val = lm_samples(n_train),lm_samples(64, start=n_train)
     dls = DataLoaders(FastaiDataLoader(trn, bs=bs, shuffle=True, drop_last=True, device='cpu'),
                       FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
-    # dropouts at 0: the large batch and the micro-batches would draw different masks (one per batch vs one per micro-batch),
+    # dropouts at 0: the large batch and the micro-batches would draw different masks (one per batch vs one per
+    # micro-batch),
     # so the runs could not be compared; with zero dropout the equivalence test is exact and honest
     config = {**awd_lstm_lm_config, 'emb_sz': 16, 'n_hid': 24, 'n_layers': 2, 'pad_token': PAD,
               'output_p': 0., 'hidden_p': 0., 'input_p': 0., 'embed_p': 0., 'weight_p': 0.}
     torch.set_default_dtype(torch.float64) # built in float64: `.double()` would undo AWD_LSTM's weight-dropout wrapping
     try: model = get_language_model(AWD_LSTM, VOCAB, config=config)
     finally: torch.set_default_dtype(torch.float32)
-    for i,wd in enumerate(model[0].rnns): # with `weight_p=0` fastai's `WeightDropout` is the identity: unwrap it (at p=0 it
+    # with `weight_p=0` fastai's `WeightDropout` is the identity: unwrap it (at p=0 it
+    for i,wd in enumerate(model[0].rnns):
         lstm = wd.module                  # hands the LSTM its Parameter, and its `reset` then fails on torch 2.x)
         delattr(lstm, 'weight_hh_l0'); del lstm.flatten_parameters
         lstm.weight_hh_l0 = nn.Parameter(wd.weight_hh_l0_raw.data)
         model[0].rnns[i] = lstm
-    # every forward (a batch, or a micro-batch inside `MicroBatching`) starts from a zero hidden state: each sequence is a
+    # every forward (a batch, or a micro-batch inside `MicroBatching`) starts from a zero hidden state: each sequence is
+    # a
     # sample on its own, as accumulation needs (AWD_LSTM carries its state from one forward to the next otherwise)
     model.register_forward_pre_hook(lambda m, args: m.reset())
     return Learner(dls, model, loss_func=lambda p,y: F.cross_entropy(p.flatten(0, 1), y.flatten()), opt_func=Adam,
@@ -92,7 +106,8 @@ FITS = {
 @pytest.mark.parametrize('data', ['digits', 'tabular'])
 def test_fit_methods_equal_large_batch(data, method):
     "No `drop_last` argument: the default follows fastai's loader, and every fit method is the large batch's"
-    bs = dict(digits=64, tabular=96)[data] # 1500 and 455 samples: the micro-batch loader leaves a short window the large one drops
+    # 1500 and 455 samples: the micro-batch loader leaves a short window the large one drops
+    bs = dict(digits=64, tabular=96)[data]
     large = MAKERS[data](bs); quiet(large, FITS[method])
     accum = MAKERS[data](16, GradientAccumulation(bs)); quiet(accum, FITS[method])
     assert_same_training(large, accum)
@@ -133,7 +148,8 @@ def check_same_lr_find(large, other, num_it, res_large, res_other):
     test_close(other.recorder.lrs, large.recorder.lrs, eps=1e-12)
     a,b = torch.stack(other.recorder.losses),torch.stack(large.recorder.losses)
     test_close(a[:-5], b[:-5], eps=1e-8)
-    # the last 5 points, which fastai's suggestions leave out, are at lrs near `end_lr`=10 where Adam amplifies the 1e-16
+    # the last 5 points, which fastai's suggestions leave out, are at lrs near `end_lr`=10 where Adam amplifies the
+    # 1e-16
     # rounding of a sum taken in another order (by up to 1e-7 by the end): equal to 1e-5 relative there
     test_close(a[-5:], b[-5:], eps=1e-5*b[-5:].abs().max().item())
     assert all(a < b for a,b in zip(other.recorder.lrs, other.recorder.lrs[1:])) # rises once per step
@@ -162,7 +178,8 @@ def test_lr_find_language_model(cb):
     "lr_find on AWD_LSTM and real text, with each of the library's callbacks"
     large = lm_learn(64)
     other = {'accum': lambda: lm_learn(16, GradientAccumulation(64)),
-             'schedule': lambda: lm_learn(16, GradientAccumulationSchedule(64, 128, finish=0.5)), # lr_find: start_accum_bs
+             # lr_find: start_accum_bs
+             'schedule': lambda: lm_learn(16, GradientAccumulationSchedule(64, 128, finish=0.5)),
              'micro': lambda: lm_learn(64, MicroBatching(16, verbose=False))}[cb]()
     check_same_lr_find(large, other, 20, lr_find(large, 20), lr_find(other, 20))
 
@@ -175,18 +192,24 @@ class GradNorms(Callback):
     "A user's callback, default order 0: the gradient norm at every step"
     def before_fit(self): self.norms,self.n_after = [],0
     def before_step(self):
-        self.norms.append(torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None]).norm().item())
+        self.norms.append(
+            torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None]).norm().item()
+        )
+
     def after_step(self): self.n_after += 1
 
 class SkipNonFinite(Callback):
     "A user's guard: skip the step when the gradient is not finite"
     def before_step(self):
-        if not all(torch.isfinite(p.grad).all() for p in self.model.parameters() if p.grad is not None): raise CancelStepException()
+        if not all(torch.isfinite(p.grad).all() for p in self.model.parameters() if p.grad is not None):
+            raise CancelStepException()
+
 
 def test_user_callbacks_see_steps():
     runs = {}
     for name,bs,cbs in [('large', 64, []), ('accum', 16, [GradientAccumulation(64)])]:
-        learn = digits_learn(bs, cbs=cbs + [GradNorms(), SkipNonFinite(), Overflow(64*5+20)]) # an inf in the 6th step's window
+        # an inf in the 6th step's window
+        learn = digits_learn(bs, cbs=cbs + [GradNorms(), SkipNonFinite(), Overflow(64*5+20)])
         quiet(learn, lambda l: l.fit(2, 1e-2)); runs[name] = learn
     large,accum = runs['large'],runs['accum']
     assert max_param_diff(large, accum) < 1e-8
@@ -212,7 +235,8 @@ def test_cancelled_micro_batch_adds_no_samples(how, order):
     x,y = digits_data()
     idx = list(range(0, 16)) + list(range(32, 112)) # what did backward: two steps of 48 samples
     dls = DataLoaders(FastaiDataLoader(Samples(zip(x[idx], y[idx])), bs=48, device='cpu'),
-                      FastaiDataLoader(Samples(zip(x[128:], y[128:])), bs=256, device='cpu'), device='cpu') # digits_learner's
+                      # digits_learner's
+                      FastaiDataLoader(Samples(zip(x[128:], y[128:])), bs=256, device='cpu'), device='cpu')
     large = Learner(dls, digits_mlp(), loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1, cbs=Float64SmoothLoss())
     quiet(large, lambda l: l.fit(2))
     assert_same_training(large, accum)
@@ -224,7 +248,10 @@ class GraphLog(Callback):
     order = ProgressCallback.order+1
     def before_fit(self):
         self.graphs,self.totals = [],[]
-        self.progress.mbar.update_graph = lambda graphs, x_bounds=None, y_bounds=None, **kw: self.graphs.append((graphs, x_bounds, y_bounds))
+        self.progress.mbar.update_graph = lambda graphs, x_bounds=None, y_bounds=None, **kw: self.graphs.append(
+            (graphs, x_bounds, y_bounds)
+        )
+
     def after_batch(self):
         if self.training: self.totals.append((self.progress.pbar.total, self.progress.pbar.last_v))
     def before_train(self): self.totals.append((self.progress.pbar.total, None)) # the bar as the epoch starts
@@ -256,10 +283,12 @@ def test_show_graph_and_progress_in_steps():
 def test_two_accumulation_callbacks(a, b):
     a,b = a(),b()
     learn = digits_learner(16, cbs=a)
-    with pytest.raises(ValueError, match='both split the batch') as e, learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=b)
+    with pytest.raises(ValueError, match='both split the batch') as e, learn.no_bar(), learn.no_logging():
+        learn.fit(1, cbs=b)
     msg = str(e.value)
     assert type(a).__name__ in msg and type(b).__name__ in msg, msg
-    if isinstance(b, FastaiGradientAccumulation): assert "fastai's GradientAccumulation" in msg and "fastxtend_accum's" in msg
+    if isinstance(b, FastaiGradientAccumulation):
+        assert "fastai's GradientAccumulation" in msg and "fastxtend_accum's" in msg
     assert no_grads(learn) and batch_taker(learn) is None
     quiet(learn, lambda l: l.fit(1)) # the Learner trains on: only the callback passed to the fit was removed
 
@@ -267,7 +296,8 @@ def test_two_accumulation_callbacks(a, b):
 def test_one_instance_two_learners(make):
     cb = make()
     first = digits_learner(16, cbs=cb)
-    with pytest.raises(ValueError, match=f'This {type(cb).__name__} is already attached to another Learner'): digits_learner(16, cbs=cb)
+    with pytest.raises(ValueError, match=f'This {type(cb).__name__} is already attached to another Learner'):
+        digits_learner(16, cbs=cb)
     second = digits_learner(16)
     with pytest.raises(ValueError, match='already attached to another Learner'): second.fit(1, cbs=cb)
     first.remove_cb(cb); second.add_cb(cb) # detached first: fine
@@ -283,7 +313,8 @@ def test_import_order(mod):
     test_is(ours(f"from fastai.{mod}.all import *\nfrom fastxtend_accum.{mod}.all import *"), ga.GradientAccumulation)
     swapped = ours(f"from fastxtend_accum.all import *\nfrom fastai.{mod}.all import *") # fastai's, under the same name
     test_is(swapped, FastaiGradientAccumulation)
-    # a fit of fastai's callback runs fastai's code: this library changes nothing of it (it no longer patches fastai to say so)
+    # a fit of fastai's callback runs fastai's code: this library changes nothing of it (it no longer patches fastai to
+    # say so)
     learn = digits_learner(16, cbs=swapped(64))
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     test_is(type(learn), Learner)

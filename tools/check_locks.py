@@ -12,6 +12,7 @@ Here pip downloads every wheel to read its metadata (this machine's PyPI serves 
 keeps nothing): 3 minutes of CPU for the three locks at once (10 minutes on a busy 2-core machine). A pass is remembered (a file named by a hash of the locks,
 torch.txt, the installed torch and the Python) under `~/.cache/fastxtend_accum/`, so `make test` re-checks only locks
 that changed; `--force` checks anyway."""
+
 from __future__ import annotations
 import argparse, hashlib, json, os, re, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -45,12 +46,16 @@ def pins(*files:Path)->dict[str,str]:
     return res
 
 def site_packages(venv:Path)->Path:
-    return Path(subprocess.check_output([venv/'bin'/'python', '-c', 'import sysconfig; print(sysconfig.get_path("purelib"))'],
-                                        text=True).strip())
+    return Path(
+        subprocess.check_output(
+            [venv / 'bin' / 'python', '-c', 'import sysconfig; print(sysconfig.get_path("purelib"))'], text=True
+        ).strip()
+    )
 
 def torch_dists(venv:Path)->list[Path]:
     ds = [d for d in site_packages(venv).glob('*.dist-info') if norm(d.name.split('-')[0]) in ('torch', 'torchvision')]
-    if not any(norm(d.name.split('-')[0]) == 'torch' for d in ds): sys.exit(f'{venv}: no torch installed (run `make env`)')
+    if not any(norm(d.name.split('-')[0]) == 'torch' for d in ds):
+        sys.exit(f'{venv}: no torch installed (run `make env`)')
     return sorted(ds)
 
 def key(venvs:list[Path])->str:
@@ -59,7 +64,11 @@ def key(venvs:list[Path])->str:
     for f in sorted(REQ.glob('*')): h.update(f.name.encode() + f.read_bytes())
     for v in venvs:
         h.update(str([d.name for d in torch_dists(v)]).encode())
-        h.update(subprocess.check_output([v/'bin'/'python', '-c', 'import sys,sysconfig; print(sys.version, sysconfig.get_platform())']))
+        h.update(
+            subprocess.check_output(
+                [v / 'bin' / 'python', '-c', 'import sys,sysconfig; print(sys.version, sysconfig.get_platform())']
+            )
+        )
     return h.hexdigest()[:16]
 
 def start(name:str, locks:list[Path], venv:Path, opts:list[str], tmp:Path):
@@ -73,13 +82,20 @@ def start(name:str, locks:list[Path], venv:Path, opts:list[str], tmp:Path):
     for l in locks: cmd += ['-r', str(l.relative_to(ROOT))]
     if not opts: cmd += ['-c', 'requirements/torch.txt']
     print(f'{name}: env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null {" ".join(cmd)}', flush=True)
-    return subprocess.Popen(cmd, cwd=ROOT, env=plain_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), t
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=plain_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ), t
+
 
 def judge(name:str, locks:list[Path], report:Path)->list[str]:
     "What pip would install that the locks do not pin, or pin otherwise"
     want = pins(*locks)
     got = {norm(i['metadata']['name']):i['metadata']['version'] for i in json.loads(report.read_text())['install']}
-    bad = [f'{n}=={v} (the lock: {want[n] if n in want else "not pinned"})' for n,v in sorted(got.items()) if want.get(n) != v]
+    bad = [
+        f'{n}=={v} (the lock: {want[n] if n in want else "not pinned"})'
+        for n, v in sorted(got.items())
+        if want.get(n) != v
+    ]
     bad += [f'{n}=={v} pinned but not installed' for n,v in sorted(want.items()) if n not in got]
     return bad
 
@@ -91,7 +107,8 @@ def torch_on_pypi()->list[str]:
         print(f'torch.txt: env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null {" ".join(cmd[2:])}', flush=True)
         out = subprocess.run(cmd, env=plain_env(), capture_output=True, text=True).stdout
         m = re.search(r'Available versions: (.*)', out)
-        if not m or v not in [s.strip() for s in m[1].split(',')]: bad.append(f'{n}=={v}: not on PyPI ({out.strip()[:300]})')
+        if not m or v not in [s.strip() for s in m[1].split(',')]:
+            bad.append(f'{n}=={v}: not on PyPI ({out.strip()[:300]})')
     return bad
 
 def listed(name:str, versions:set)->list[str]:
@@ -120,7 +137,9 @@ def main(force:bool=False, quick_only:bool=False):
     venvs = sorted({ROOT/v for _,v,_ in CHECKS.values()})
     stamp = CACHE/key(venvs)
     if stamp.exists() and not force:
-        print(f'check-locks: these locks passed on {stamp.read_text().strip()} (remembered in {stamp}; --force checks again)')
+        print(
+            f'check-locks: these locks passed on {stamp.read_text().strip()} (remembered in {stamp}; --force checks again)'
+        )
         return
     t0,fails = time.time(),torch_on_pypi()
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,12 +147,16 @@ def main(force:bool=False, quick_only:bool=False):
         for n,(p,t) in runs.items():
             out,_ = p.communicate()
             locks = CHECKS[n][0]
-            if p.returncode: fails.append(f'{n}: pip could not resolve {", ".join(l.name for l in locks)} from PyPI:\n{out}')
+            if p.returncode:
+                fails.append(f'{n}: pip could not resolve {", ".join(l.name for l in locks)} from PyPI:\n{out}')
             elif (bad := judge(n, locks, t/'report.json')): fails.append(f'{n}: ' + '; '.join(bad))
             elif CHECKS[n][2]: print(f'{n}: {", ".join(l.name for l in locks)}: all {len(pins(*locks))} pins on {PYPI} '
                                      f'(installed with {" ".join(CHECKS[n][2])}, as the Makefile does)')
-            else: print(f'{n}: {", ".join(l.name for l in locks)}: all {len(pins(*locks))} pins resolve from {PYPI} with '
-                        f'{" and ".join(d.name[:-10].replace("-", " ") for d in torch_dists(ROOT/CHECKS[n][1]))} installed')
+            else:
+                print(
+                    f'{n}: {", ".join(l.name for l in locks)}: all {len(pins(*locks))} pins resolve from {PYPI} with '
+                    f'{" and ".join(d.name[:-10].replace("-", " ") for d in torch_dists(ROOT / CHECKS[n][1]))} installed'
+                )
     if fails: sys.exit('check-locks failed:\n' + '\n'.join(fails))
     print(f'check-locks: passed in {time.time()-t0:.0f} s')
     stamp.parent.mkdir(parents=True, exist_ok=True)
@@ -142,5 +165,7 @@ def main(force:bool=False, quick_only:bool=False):
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--force', action='store_true', help='check even where these locks passed before')
-    p.add_argument('--quick', dest='quick_only', action='store_true', help='only that PyPI lists every pin (what `make test` runs)')
+    p.add_argument(
+        '--quick', dest='quick_only', action='store_true', help='only that PyPI lists every pin (what `make test` runs)'
+    )
     main(**vars(p.parse_args()))

@@ -9,7 +9,7 @@ repository stays out: the import must come from the wheel, and the check asserts
 wheel's metadata has the extras (`distributed`, `loggers`, `all`) and holds every module of the library, and that
 `pip install` of the wheel with `[all]` would install nothing else where torch and the rest are installed already."""
 from __future__ import annotations
-import argparse, configparser, email, subprocess, sys, sysconfig, tempfile, venv, zipfile
+import argparse, configparser, email, subprocess, sys, tempfile, venv, zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,13 +38,19 @@ def main(deps_env:Path, out:Path):
     env = out/'venv'
     venv.create(env, with_pip=True)
     py = env/'bin'/'python'
-    run(py, '-m', 'pip', 'uninstall', '-q', '-y', 'setuptools') # ensurepip's old one would shadow .venv's (torch needs >=77)
+    # ensurepip's old one would shadow .venv's (torch needs >=77)
+    run(py, '-m', 'pip', 'uninstall', '-q', '-y', 'setuptools')
     Path(site_packages(py), '_deps.pth').write_text(site_packages(deps_env/'bin'/'python') + '\n')
-    # with its dependencies installed (torch among them), a plain `pip install` of the wheel and its extras fetches nothing
+    # with its dependencies installed (torch among them), a plain `pip install` of the wheel and its extras fetches
+    # nothing
     # (no index to fetch from): pip keeps the torch it finds, whatever its build
     plan = run(py, '-m', 'pip', 'install', '--dry-run', '--no-index', f'{name}[all] @ {whl.as_uri()}')
-    assert f'Would install {name}-{version}' in plan and plan.count('Would install') == 1 and '\nWould install' in plan and \
-        plan.split('Would install')[1].split() == [f'{name}-{version}'], plan
+    assert (
+        f'Would install {name}-{version}' in plan
+        and plan.count('Would install') == 1
+        and '\nWould install' in plan
+        and plan.split('Would install')[1].split() == [f'{name}-{version}']
+    ), plan
     run(py, '-m', 'pip', 'install', '-q', '--no-deps', '--no-index', whl)
     where = run(py, '-c', f"import {name}, {name}.all; from {name}.all import GradientAccumulation, MicroBatching; "
                           f"print({name}.__version__, {name}.__file__)", cwd=out).split()

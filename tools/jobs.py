@@ -1,5 +1,6 @@
 """Run shell commands `-j` at a time (`make test`, `make pytest`): each one's output is shown when it ends, with its wall
 time, and the run fails if any command fails. The commands go through `bash -c`, in the current directory."""
+
 from __future__ import annotations
 import argparse, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,8 +17,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     t,failed = time.perf_counter(),[]
     with ThreadPoolExecutor(a.jobs) as ex:
-        for cmd,rc,wall,out in ex.map(run, a.cmds): # in the order given; each printed once it and those before it ended
-            print(f'\n===== {cmd}\n{out.rstrip()}\n===== {"ok" if rc == 0 else f"FAILED (exit {rc})"} in {wall:.0f} s', flush=True)
+        for cmd,rc,wall,out in ex.map(run, a.cmds):  # in the order given; each printed once it and those before it ended
+            print(
+                f'\n===== {cmd}\n{out.rstrip()}\n===== {"ok" if rc == 0 else f"FAILED (exit {rc})"} in {wall:.0f} s',
+                flush=True,
+            )
             if rc: failed.append(cmd)
     print(f'\n{len(a.cmds)-len(failed)} of {len(a.cmds)} passed, {a.jobs} at a time, in {time.perf_counter()-t:.0f} s'
           + ''.join(f'\nfailed: {c}' for c in failed))

@@ -29,7 +29,9 @@ def clean_outputs(cell)->list[str]:
             o['text'] = text.splitlines(True)
             if o.get('name') == 'stderr': problems.append(f'stderr: {text.strip()[:300]}')
         if o.get('output_type') == 'error': problems.append(f"error: {o.get('ename')}: {o.get('evalue')}")
-        body = ''.join(''.join(v) for k,v in (o.get('data') or {}).items() if k.startswith('text/')) + ''.join(o.get('text', []))
+        body = ''.join(''.join(v) for k, v in (o.get('data') or {}).items() if k.startswith('text/')) + ''.join(
+            o.get('text', [])
+        )
         if 'Warning' in body: problems.append(f'a warning in the output: {body.strip()[:300]}')
         outs.append(o)
     cell['outputs'] = outs

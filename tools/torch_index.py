@@ -3,6 +3,7 @@
 `TORCH_INDEX` given (`make env TORCH_INDEX=https://download.pytorch.org/whl/cu126`): that index, as named. Otherwise
 PyTorch's CPU index where it answers within 3 seconds (one request, no retries: an unreachable index costs no more), else
 pip's own configuration (PyPI, and whatever a machine adds: here a folder of CPU wheels). A line on stderr says which."""
+
 from __future__ import annotations
 import os, sys, threading, urllib.request
 
@@ -13,14 +14,18 @@ def answers(url:str, timeout:float=3.)->str|None:
     res = ['no answer within %g s' % timeout]
     def get():
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as r: res[0] = None if r.status == 200 else f'HTTP {r.status}'
-        except Exception as e: res[0] = f'{type(e).__name__}: {getattr(e, "reason", e)}'
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                res[0] = None if r.status == 200 else f'HTTP {r.status}'
+        except Exception as e:
+            res[0] = f'{type(e).__name__}: {getattr(e, "reason", e)}'
     t = threading.Thread(target=get, daemon=True); t.start(); t.join(timeout)
     return res[0]
 
 def main(named:str='')->str:
-    if named: msg,opts = f'torch from TORCH_INDEX={named}',f'--index-url {named}'
-    elif (why := answers(f'{CPU_INDEX}/torch/')) is None: msg,opts = f"torch from PyTorch's CPU index ({CPU_INDEX})",f'--index-url {CPU_INDEX}'
+    if named:
+        msg, opts = f'torch from TORCH_INDEX={named}', f'--index-url {named}'
+    elif (why := answers(f'{CPU_INDEX}/torch/')) is None:
+        msg, opts = f"torch from PyTorch's CPU index ({CPU_INDEX})", f'--index-url {CPU_INDEX}'
     else: msg,opts = f"PyTorch's CPU index did not answer ({why}): torch from the indexes pip is configured with",''
     print(msg, file=sys.stderr)
     return opts

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/callback.gradaccum.ipynb #da52d83d
 from __future__ import annotations
-import contextlib, math, numbers, warnings
+import contextlib, numbers
 from fastai.basics import *
 from fastai.data.load import DataLoader as FastaiDataLoader
 from ..window import *
@@ -38,7 +38,8 @@ class GradientAccumulation(BatchSplitter):
         verbose:bool=True, # Print what 'auto' counts, and a step's samples over processes
     ):
         n_acc = check_positive_int('n_acc', n_acc)
-        if isinstance(global_bs, numbers.Integral) and not isinstance(global_bs, (bool, np.bool_)): # fastxtend's 3rd: micro_batch_size
+        # fastxtend's 3rd: micro_batch_size
+        if isinstance(global_bs, numbers.Integral) and not isinstance(global_bs, (bool, np.bool_)):
             raise ValueError(linked(f"`global_bs` must be True or False, got {global_bs!r} ({type(global_bs).__name__}): fastxtend's third "
                              f"parameter is micro_batch_size, this one's global_bs; pass `micro_batch_size={global_bs!r}` by name", 'arguments'))
         self.micro_batch_size = None if micro_batch_size is None else check_positive_int('micro_batch_size', micro_batch_size)
@@ -48,9 +49,11 @@ class GradientAccumulation(BatchSplitter):
         self.global_bs,self.drop_last = check_bool('global_bs', global_bs),check_bool('drop_last', drop_last, none_ok=True)
         self.verbose = check_bool('verbose', verbose)
         item_counter(normalize_by) # a bad value fails here, not in the fit
-        self.normalize_by,self.grad_sync,self.windows = normalize_by,check_grad_sync(grad_sync),Windows()
-        self.windows.auto = auto_normalize(normalize_by, type(self).__name__, self.verbose) # 'auto': the counter is read from each epoch's loss
-        self.accum_dtype,self.windows.fgrads = accum_dtype,FloatGrads(accum_dtype, type(self).__name__) # see `precision`
+        self.normalize_by,self.grad_sync,self.windows = normalize_by,check_grad_sync(grad_sync),WindowState()
+        # 'auto': the counter is read from each epoch's loss
+        self.windows.auto = auto_normalize(normalize_by, type(self).__name__, self.verbose)
+        # see `precision`
+        self.accum_dtype,self.windows.fgrads = accum_dtype,FloatGrads(accum_dtype, type(self).__name__)
 
     # fit and epoch events
     def before_fit(self):
@@ -62,7 +65,8 @@ class GradientAccumulation(BatchSplitter):
         self._abandon_window()
         check_weighable(self.model, accum_bs=self.accum_bs)
         r = self.windows
-        # the processes the fit trains over, known before fastai's `DistributedTrainer` wraps the model: sizes are planned
+        # the processes the fit trains over, known before fastai's `DistributedTrainer` wraps the model: sizes are
+        # planned
         # from here on (lr_find's epochs, a schedule's checks); `before_train` checks it against the engine's
         r.start_fit(default_world_size(), WindowSync(), self.global_bs)
         r.counter = item_counter(self.normalize_by)
@@ -70,7 +74,8 @@ class GradientAccumulation(BatchSplitter):
         r.warned -= {'noplan', 'dropped-tail'} # said once per fit
         r.fgrads.attach(self.model)
         fit = take_over(self.learn, self) # the Learner's fit class, until the fit ends (`patches`)
-        callback_methods(self.learn, self, fit) # fastai's recorder, scheduler, progress bar, lr_find, loggers: once per step
+        # fastai's recorder, scheduler, progress bar, lr_find, loggers: once per step
+        callback_methods(self.learn, self, fit)
         self.accumulating = True
 
     def before_train(self):
@@ -114,7 +119,8 @@ class GradientAccumulation(BatchSplitter):
         self._yielded()
         try:
             with r.sync.micro_batch(r.syncs): yield
-        finally: # `TrainEvalCallback` added a micro-batch to the window's progress: add it to this micro-batch's instead
+        # `TrainEvalCallback` added a micro-batch to the window's progress: add it to this micro-batch's instead
+        finally:
             learn.pct_train = r.mb_pct + 1./(learn.n_iter*learn.n_epoch)
 
     def train_batch(self):
@@ -127,7 +133,8 @@ class GradientAccumulation(BatchSplitter):
         r = self.windows
         if r.mb_items is None: r.mb_items = self._loss_items() # before any `before_backward` callback adds to the loss
         elif r.auto is not None and r.auto.classes is not None and not r.auto.observe(self.learn.loss_grad, self.learn.yb, r.mb_samples):
-            # the fit's first micro-batch held ignored targets (a `before_batch` callback): its loss's targets counted from here
+            # the fit's first micro-batch held ignored targets (a `before_batch` callback): its loss's targets counted
+            # from here
             r.counter = r.auto.loss_counter
             r.mb_items = self._loss_items()
         self.learn._with_events(self._backward, 'backward', CancelBackwardException)
@@ -194,7 +201,8 @@ class GradientAccumulation(BatchSplitter):
     def epochs_for(self, n_steps:int)->int:
         "Epochs a fit needs for `n_steps` optimizer steps, as `lr_find` counts them (`n_steps//steps_per_epoch + 1`)"
         p = self._plan_for(self.dls.train)
-        return n_steps+1 if p is None or not p.n_windows else n_steps//p.n_windows + 1 # not known ahead: a step an epoch at least
+        # not known ahead: a step an epoch at least
+        return n_steps+1 if p is None or not p.n_windows else n_steps//p.n_windows + 1
 
     def end_fit(self):
         "Drop the open window and stop recording per step"
@@ -210,18 +218,23 @@ class GradientAccumulation(BatchSplitter):
         # the epoch ends where the plan does: fastai's `DistributedDL` has a `len` (fastai's `n_iter`) that rounds up
         if learn.iter == 0 and r.plan is not None: learn.n_iter = len(r.plan.sizes)
         r.mb_pct = learn.pct_train # training progress at this micro-batch, as fastai counts it
-        if r.auto is not None and r.auto.pending: # the training set is read on one process only: all of them must count alike
+        # the training set is read on one process only: all of them must count alike
+        if r.auto is not None and r.auto.pending:
             r.counter = r.auto.counter(learn.loss_func, learn.xb, learn.yb, self.dl if r.sync.world_size == 1 else None)
         n = r.mb_samples = find_bs(learn.yb)
         if not r.open: self._open_window(n)
         learn.pct_train = r.window_pct # every micro-batch trains with the hyper-parameters of the window's first
         w = r.window
-        # counts other than samples are taken at the backward, of the targets the loss sees (after every `before_batch`), and
-        # stay on the device (no sync), in float64 so that weights and correction cancel exactly; 'auto' reads a cross-entropy's
+        # counts other than samples are taken at the backward, of the targets the loss sees (after every
+        # `before_batch`), and
+        # stay on the device (no sync), in float64 so that weights and correction cancel exactly; 'auto' reads a
+        # cross-entropy's
         # from its loss (no op)
         r.mb_items = n if r.by_samples else None
-        if r.rate is None and r.sync.world_size > 1 and not r.by_samples: # the fit's first micro-batch, on every process
-            r.first_rate(check_count(self.normalize_by, r.counter(learn.xb, learn.yb)), n) # as yielded: the first window's rho
+        # the fit's first micro-batch, on every process
+        if r.rate is None and r.sync.world_size > 1 and not r.by_samples:
+            # as yielded: the first window's rho
+            r.first_rate(check_count(self.normalize_by, r.counter(learn.xb, learn.yb)), n)
         if r.plan is not None and n != r.plan.sizes[learn.iter] and not r.count_globally:
             if r.sync.world_size > 1: raise RuntimeError(linked(f"Process {r.sync.rank}'s training loader yielded a micro-batch of {n} "
                 f"samples where its plan expected {r.plan.sizes[learn.iter]}: the processes' windows could differ", 'plan'))
@@ -236,8 +249,10 @@ class GradientAccumulation(BatchSplitter):
         p = r.plan
         if p is not None and p.drop_from is not None and learn.iter >= p.drop_from:
             if p.n_windows == 0: self._warn_once('empty', f"drop_last=True and the epoch holds fewer than accum_bs={self.accum_bs} samples: no step")
-            # a fastai loader drew its shuffle up front: skip the compute of the short window `drop_last` discards. A PyTorch
-            # sampler may draw from its seeded generator until exhausted: run the loader to its end, and discard the window then
+            # a fastai loader drew its shuffle up front: skip the compute of the short window `drop_last` discards. A
+            # PyTorch
+            # sampler may draw from its seeded generator until exhausted: run the loader to its end, and discard the
+            # window then
             if isinstance(self.dl, FastaiDataLoader): r.skipped_tail = True; raise CancelTrainException()
         if (msg := r.check_bn(self.model)) is not None: self._warn_once('batchnorm', msg)
         r.i_window += 1
@@ -248,7 +263,8 @@ class GradientAccumulation(BatchSplitter):
 
     def _fills_globally(self, n:int)->bool:
         "Whether a micro-batch of `n` samples fills the window, counted over all processes (sizes that differ or may)"
-        # the processes agree on the global count (one tiny all-reduce), and on whether any of them met a micro-batch its
+        # the processes agree on the global count (one tiny all-reduce), and on whether any of them met a micro-batch
+        # its
         # plan did not expect: then all of them raise here, none waits
         r = self.windows
         off = r.plan is not None and n != r.plan.sizes[self.iter]
@@ -286,14 +302,16 @@ class GradientAccumulation(BatchSplitter):
         if r.checks_counts and not w.sum_reduced and w.items_min is not None: # a user's counts: one sync per step
             w.settle()
             check_counts(self.normalize_by, w.items_min, w.items)
-        # its totals over processes, the next rho, its loss, and its exact gradient (`Windows.close`)
+        # its totals over processes, the next rho, its loss, and its exact gradient (`WindowState.close`)
         held = r.close(window_key(self.epoch, r.i_window), self._grads)
         if not held: return self._abandon_window() # over all processes, every micro-batch was cancelled
         if 'size' not in r.warned and r.overfilled(): self._warn_once('size', small_accum_message(r.window_bs, r.mb_samples,
             type(self).__name__) if r.mb_samples > r.window_bs and not r.count_globally else r.size_message(held))
         r.train_step += 1
-        # the step events see the large batch's loss: the window's (a NaN in any micro-batch too), and the loss whose gradient it is
-        mb_loss,mb_loss_grad = getattr(learn, 'loss', None),getattr(learn, 'loss_grad', None) # none: cancelled here, not elsewhere
+        # the step events see the large batch's loss: the window's (a NaN in any micro-batch too), and the loss whose
+        # gradient it is
+        # none: cancelled here, not elsewhere
+        mb_loss,mb_loss_grad = getattr(learn, 'loss', None),getattr(learn, 'loss_grad', None)
         learn.loss = w.record if mb_loss is None else w.record.to(mb_loss.dtype)
         learn.loss_grad = w.loss_grad(w.grad_scale, learn.loss)
         # `before_step` callbacks (clipping, fp16 unscaling, a user's guard) see the window's mean gradient; a
@@ -342,7 +360,8 @@ class GradientAccumulation(BatchSplitter):
                 else: print(linked(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "
                             f"{self.accum_bs*n} samples per optimizer step", 'global-bs'))
         if r.sync.world_size == 1: r.count_globally = False; return
-        # processes whose plans differ close windows on the global count; a plan read ahead is checked on every micro-batch
+        # processes whose plans differ close windows on the global count; a plan read ahead is checked on every
+        # micro-batch
         n = len(self.dl) if r.plan is None else len(r.plan.sizes) # what this process yields, whatever `len` says
         s = r.sync
         r.plan,r.count_globally = plans_agree(r.plan, n, _read_ahead(self.dl), s.reduce, s.world_size, s.rank, s.device, s.engine)

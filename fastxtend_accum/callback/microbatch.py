@@ -4,7 +4,7 @@
 
 # %% ../../nbs/callback.microbatch.ipynb #02826560
 from __future__ import annotations
-import contextlib, gc, sys, time, warnings
+import contextlib, gc, sys, time
 from itertools import accumulate
 from fastai.basics import *
 from ..window import *
@@ -23,6 +23,7 @@ def split_sizes(n:int, # Samples in the batch
                 micro_bs:int, # Largest micro-batch allowed
                )->list[int]:
     "Sizes of the fewest micro-batches of at most `micro_bs` samples that make a batch of `n`, as equal as they can be"
+    if n == 0: return [] # a batch of 0 samples (fastai trains through it): no micro-batch
     k = -(-n//micro_bs)
     return [n//k + (i < n%k) for i in range(k)]
 
@@ -90,7 +91,8 @@ class RowStates:
         c = _fastai_text('AWD_LSTM')
         awd = [] if c is None else [m for m in model.modules() if isinstance(m, c)]
         inside = {id(o) for m in awd for o in m.modules()}
-        # `reset` goes to children; fastai.distributed gives PyTorch's DDP and DataParallel a `reset` that goes to their module
+        # `reset` goes to children; fastai.distributed gives PyTorch's DDP and DataParallel a `reset` that goes to their
+        # module
         passes = (nn.parallel.DistributedDataParallel, nn.DataParallel,
                   *(c for c in map(_fastai_text, ('SequentialRNN', 'SentenceEncoder')) if c is not None))
         other = [m for m in model.modules() if callable(getattr(m, 'reset', None)) and id(m) not in inside and not isinstance(m, passes)]
@@ -139,7 +141,8 @@ class MicroBatching(BatchSplitter):
         if not (isinstance(micro_bs, str) and micro_bs in ('auto', 'fastest')):
             try: micro_bs = check_positive_int('micro_bs', micro_bs)
             except ValueError: raise ValueError(linked(f"`micro_bs` must be a positive integer, 'auto' or 'fastest', got {micro_bs!r}", 'arguments')) from None
-        self.micro_bs,self.normalize_by,r = micro_bs,normalize_by,Windows() # the window engine (`window`): a batch is a window
+        # the window engine (`window`): a batch is a window
+        self.micro_bs,self.normalize_by,r = micro_bs,normalize_by,WindowState()
         r.counter,r.sync = item_counter(normalize_by),WindowSync()
         self.n_timed,self.n_candidates = check_positive_int('n_timed', n_timed),check_positive_int('n_candidates', n_candidates)
         self.keep_pred,self.verbose = check_bool('keep_pred', keep_pred),check_bool('verbose', verbose)
@@ -152,12 +155,14 @@ class MicroBatching(BatchSplitter):
         "Take over the training batches' forward and backward; 'auto' and 'fastest' start again from the whole batch"
         check_one_accumulation(self) # another MicroBatching, or a GradientAccumulation (this library's or fastai's)
         fit = take_over(self.learn, self) # the Learner's fit class, until the fit ends (`patches`)
-        callback_methods(self.learn, self, fit, only={'WandbCallback.before_fit'}) # its batches are steps: fastai's records, W&B's config fixed
+        # its batches are steps: fastai's records, W&B's config fixed
+        callback_methods(self.learn, self, fit, only={'WandbCallback.before_fit'})
         self.taking_batches = True # `Learner.one_batch` (the fit class) hands training batches to `train_batch`
         r = self.windows
         r.start_fit(1, r.sync) # the processes: the model's engine's, at `before_train`
         r.fgrads.attach(self.learn.model)
-        self.limit = self.micro_bs if isinstance(self.micro_bs, int) else None # largest micro-batch; `None`: the whole batch
+        # largest micro-batch; `None`: the whole batch
+        self.limit = self.micro_bs if isinstance(self.micro_bs, int) else None
         self.chosen_micro_bs,self.ref_bs,self.ooms,self.throughput = None,None,[],{}
         if r.auto is not None: r.auto.start_fit()
         self._cands,self._warm,self._reported,self._awd = None,False,None,None
@@ -169,7 +174,8 @@ class MicroBatching(BatchSplitter):
         r = self.windows
         self._engine() # the engine wraps the model after `before_fit`
         r.world_size = r.sync.world_size
-        if self.sync.sharded and not isinstance(self.micro_bs, int): # an OOM mid-forward would leave the others in an all-gather
+        # an OOM mid-forward would leave the others in an all-gather
+        if self.sync.sharded and not isinstance(self.micro_bs, int):
             raise raised_everywhere(ValueError(linked(f"MicroBatching(micro_bs={self.micro_bs!r}) cannot search for a size on a "
                                                f"sharded model ({type(self.learn.model).__name__}): pass the micro-batch size, e.g. `micro_bs=8`", 'microbatch-sharded')))
         if self.sync.world_size > 1: # a process with more batches than the others would step alone, and wait forever
@@ -181,8 +187,10 @@ class MicroBatching(BatchSplitter):
 
     def before_batch(self):
         "At the epoch's first batch, under fastai's `DistributedDL`: the epoch's batches as this process yields them"
-        # its `len` (fastai's `n_iter`, by which `TrainEvalCallback` counts progress) rounds the whole loader's up to a multiple
-        # of the world size: with `drop_last`, one batch more than each process yields, and every step's hyper-parameters off
+        # its `len` (fastai's `n_iter`, by which `TrainEvalCallback` counts progress) rounds the whole loader's up to a
+        # multiple
+        # of the world size: with `drop_last`, one batch more than each process yields, and every step's
+        # hyper-parameters off
         if self.iter == 0 and split_loader(self.dl) is not None and (sizes := micro_batch_sizes(self.dl)) is not None:
             self.learn.n_iter = len(sizes)
 
@@ -211,10 +219,11 @@ class MicroBatching(BatchSplitter):
         learn,r = self.learn,self.windows
         if not len(learn.yb): return learn._do_one_batch()
         xb,yb = learn.xb,learn.yb
-        if r.auto is not None and r.auto.pending: # the training set is read on one process only: all of them must count alike
+        # the training set is read on one process only: all of them must count alike
+        if r.auto is not None and r.auto.pending:
             r.counter = r.auto.counter(learn.loss_func, xb, yb, self.dl if self.sync.world_size == 1 else None, final=True)
         n = find_bs(yb)
-        if self.ref_bs is None: self.ref_bs = n # the batch size 'fastest' times, and that 'auto' reports
+        if self.ref_bs is None and n: self.ref_bs = n # the batch size 'fastest' times, and that 'auto' reports
         timed = self._timed(n)
         if timed: t0 = self._now()
         had_oom,self._autocast_open = False,self._mp is not None # `MixedPrecision.before_batch` opened autocast
@@ -233,7 +242,8 @@ class MicroBatching(BatchSplitter):
             learn.xb,learn.yb,learn.pred,learn.loss,learn.loss_grad = xb,yb,None,None,None
             self._abandon(free=True)
             self._shrink(n, max(sizes))
-            if self._mp is not None: self._mp.autocast.__enter__(); self._autocast_open = True # as `before_batch` left it, its cache empty
+            # as `before_batch` left it, its cache empty
+            if self._mp is not None: self._mp.autocast.__enter__(); self._autocast_open = True
         preds,w = res
         learn.xb,learn.yb = xb,yb
         learn.pred = (preds[0] if len(preds) == 1 else to_concat(preds)) if self.keep_pred else None
@@ -241,22 +251,26 @@ class MicroBatching(BatchSplitter):
             if self._manual_sync and not self.fgrads.reduces(self.sync): self.sync.reduce_by_hand()
             self._close(w)
             learn._with_events(learn._step, 'step', CancelStepException)
-        except BaseException: self._zero_grads(); raise # interrupted in `before_step`/`after_step`: no gradient outlives the batch
+        # interrupted in `before_step`/`after_step`: no gradient outlives the batch
+        except BaseException: self._zero_grads(); raise
         learn.opt.zero_grad()
         self._settled(n, sizes, self._now()-t0 if timed and not had_oom else None)
 
     def _split(self, n:int)->list[int]:
         "Micro-batch sizes for a batch of `n`: the fewest that fit; as many on every process where the engine needs it"
         sizes = split_sizes(n, self.limit or n)
-        if self.sync.lockstep and not self._manual_sync: # every micro-batch communicates: the processes agree on their number
-            k = self.sync.max(len(sizes))[0] # a process with fewer samples than that runs stand-ins of weight 0 (size 0 here)
+        # every micro-batch communicates: the processes agree on their number
+        if self.sync.lockstep and not self._manual_sync:
+            # a process with fewer samples than that runs stand-ins of weight 0 (size 0 here)
+            k = self.sync.max(len(sizes))[0]
             if k != len(sizes): sizes = [n//k + (i < n%k) for i in range(k)]
         return sizes
 
     def _micro_batches(self, xb, yb, sizes):
         "Forward and backward each micro-batch, weighted by the window's arithmetic; the predictions, the batch's loss and window"
         learn,n,k = self.learn,sum(sizes),len(sizes)
-        # a micro-batch of size 0 (under an engine that needs as many on every process) runs the batch's first sample, weight 0
+        # a micro-batch of size 0 (under an engine that needs as many on every process) runs the batch's first sample,
+        # weight 0
         spans = [(a,b) if b > a else (0,1) for a,b in zip(accumulate([0]+sizes[:-1]), accumulate(sizes))]
         mbs = [(slice_batch(xb, a, b, n), slice_batch(yb, a, b, n)) for a,b in spans]
         # one process, one micro-batch: fastai's loss as it is; else the batch is a window (see `window`)
@@ -265,8 +279,10 @@ class MicroBatching(BatchSplitter):
         counts,total = self._counts(mbs, sizes, yb) if w is not None else ([None],None)
         if w is not None: # the batch's items, counted before its first forward: rho on one process
             w.known = total
-            r.first_rate(total, n) # several processes: the first batch's items per sample and samples per process over all of them
-            # rho is the same on every process (their last batches can differ): the last batch's samples per process, not this one's
+            # several processes: the first batch's items per sample and samples per process over all of them
+            r.first_rate(total, n)
+            # rho is the same on every process (their last batches can differ): the last batch's samples per process,
+            # not this one's
             r.window_bs = n if r.world_size == 1 else r.mean_bs
         if k > 1 and (msg := r.check_bn(learn.model, 'whole batch')) is not None: warn(msg, 'batchnorm')
         rows = self._row_states(n) if k > 1 else None # a recurrent model's state, handed to each micro-batch's rows
@@ -279,15 +295,18 @@ class MicroBatching(BatchSplitter):
             if mix is not None: mix.restore()
 
     def _close(self, w:Window|None):
-        "The batch's loss over all processes, and its gradient made the exact mean over what did backward (`Windows.close`)"
+        "The batch's loss over all processes, and its gradient made the exact mean over what did backward (`WindowState.close`)"
         learn,r = self.learn,self.windows
-        if w is None: return self.fgrads.to_grads(None, self.sync) # one process, one micro-batch: a 16-bit model's sums, rounded
-        if not r.close(window_key(self.epoch, self.iter), self._grads): # every micro-batch's backward cancelled: fastai steps anyway
+        # one process, one micro-batch: a 16-bit model's sums, rounded
+        if w is None: return self.fgrads.to_grads(None, self.sync)
+        # every micro-batch's backward cancelled: fastai steps anyway
+        if not r.close(window_key(self.epoch, self.iter), self._grads):
             self.fgrads.drop()
             learn.loss = learn.loss_grad = torch.zeros_like(learn.loss.detach())
             return
         learn.loss = w.record.to(learn.loss) # the loss of the batch (over every process's samples)
-        learn.loss_grad = w.loss_grad(w.grad_scale, learn.loss) # the step events see the loss whose gradient is the step's
+        # the step events see the loss whose gradient is the step's
+        learn.loss_grad = w.loss_grad(w.grad_scale, learn.loss)
 
     def _run_micro_batches(self, mbs, spans, sizes, counts, w, rows, mix):
         "Each micro-batch through the Learner's own `_do_one_batch` (fastai's: forward, `after_pred`, loss, `after_loss`), whose `_do_grad_opt` is `grad_opt`"
@@ -311,7 +330,8 @@ class MicroBatching(BatchSplitter):
     def grad_opt(self):
         "A micro-batch's `_do_grad_opt`: its backward, weighted by the window's arithmetic (the batch steps once, in `train_batch`)"
         learn,r = self.learn,self.windows
-        # `MixedPrecision.after_loss` closed autocast: the callback's own flag, written without fastai's `Callback.__setattr__`
+        # `MixedPrecision.after_loss` closed autocast: the callback's own flag, written without fastai's
+        # `Callback.__setattr__`
         # (which looks the name up on the Learner, once per micro-batch here)
         self.__dict__['_autocast_open'],r.grad_opt_ran = False,True
         if r.window is not None and r.auto is not None and r.auto.classes is not None: # looked at in `counter`: True
@@ -326,11 +346,13 @@ class MicroBatching(BatchSplitter):
     def _counts(self, mbs, sizes, yb)->tuple:
         "Items in each micro-batch, and in the batch: this library's counts stay on the device; a user's are checked on the host (one sync a batch)"
         if isinstance(self.counter, SampleCount): return sizes,sum(sizes)
-        # a counter that counts every micro-batch of the batch's targets at once (`TokenCount`): a few ops, not a few per micro-batch
+        # a counter that counts every micro-batch of the batch's targets at once (`TokenCount`): a few ops, not a few
+        # per micro-batch
         split = getattr(self.counter, 'split_counts', None)
         if split is not None and (v := split(yb, sizes)) is not None: return list(v.unbind()),v.sum()
-        cs = [check_count(self.normalize_by, self.counter(mxb, myb)) if s else 0. for (mxb,myb),s in zip(mbs, sizes)] # a stand-in counts 0
-        if not checks_counts(self.counter): return cs,sum(cs[1:], cs[0])
+        # a stand-in counts 0
+        cs = [check_count(self.normalize_by, self.counter(mxb, myb)) if s else 0. for (mxb,myb),s in zip(mbs, sizes)]
+        if not self.windows.checks_counts: return cs,sum(cs[1:], cs[0])
         ts = [c for c in cs if isinstance(c, Tensor)]
         host = iter(torch.stack([c.to(ts[0].device) for c in ts]).tolist())
         cs = [next(host) if isinstance(c, Tensor) else c for c in cs]

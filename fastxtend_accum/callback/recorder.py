@@ -39,7 +39,8 @@ class DeviceAvgLoss(AvgLoss):
 
 class RecordOnDevice(LeftOutOfExport, Callback):
     "Keep the Recorder's losses on the device while an epoch trains and read them to the host once, at its end: no sync per step"
-    order = Recorder.order-1 # before the Recorder: it swaps the losses in before `before_fit`, reads them before `after_train`
+    # before the Recorder: it swaps the losses in before `before_fit`, reads them before `after_train`
+    order = Recorder.order-1
     def __init__(self): super().__init__() # no parameters: `RecordOnDevice()`
     def before_fit(self):
         "The Recorder's losses on the device for this fit"

@@ -52,7 +52,8 @@ class GradientAccumulationSchedule(GradientAccumulation):
     ):
         start_accum_bs = check_positive_int('start_accum_bs', start_accum_bs)
         final_accum_bs = check_size('final_accum_bs', check_positive_int('final_accum_bs', final_accum_bs))
-        if isinstance(micro_batch_size, (bool, np.bool_)): # fastxtend's order: ..., schedule, micro_batch_size, log_accum_batch
+        # fastxtend's order: ..., schedule, micro_batch_size, log_accum_batch
+        if isinstance(micro_batch_size, (bool, np.bool_)):
             raise ValueError(linked(f"`micro_batch_size` must be a positive integer or None, got {micro_batch_size!r}: it is the 6th "
                              "parameter (fastxtend's order: start_accum_bs, final_accum_bs, start, finish, schedule, micro_batch_size, "
                              f"log_accum_batch, drop_last); for the log, pass `log_accum_batch={micro_batch_size!r}` by name", 'arguments'))
@@ -60,7 +61,8 @@ class GradientAccumulationSchedule(GradientAccumulation):
         start,finish = _check_point('start', start),_check_point('finish', finish)
         if type(start) == type(finish) and start > finish:
             raise ValueError(linked(f"`start`={start!r} is after `finish`={finish!r}: the schedule must start before it finishes", 'start-finish'))
-        if schedule is None: from fastai.callback.schedule import SchedCos as schedule # fastai's module, imported when first needed
+        # fastai's module, imported when first needed
+        if schedule is None: from fastai.callback.schedule import SchedCos as schedule
         if not callable(schedule): raise ValueError(linked(f"`schedule` must be a fastai annealer such as `SchedCos`, got {schedule!r}", 'schedule'))
         try: sched = schedule(start_accum_bs, final_accum_bs)
         except TypeError as e:
@@ -82,12 +84,14 @@ class GradientAccumulationSchedule(GradientAccumulation):
         self.__dict__['_target'] = None # `accum_bs` is `start_accum_bs` until the fit's first window opens
         super().before_fit()
         check_weighable(self.model, final_accum_bs=self.final_accum_bs)
-        if hasattr(self.learn, 'lr_finder'): self.pct_start = self.pct_finish = math.inf # `lr_find`: its epochs are not training's
+        # `lr_find`: its epochs are not training's
+        if hasattr(self.learn, 'lr_finder'): self.pct_start = self.pct_finish = math.inf
         else: self.pct_start,self.pct_finish = self._pct_of('start', self.start),self._pct_of('finish', self.finish)
         if self.pct_start > self.pct_finish:
             raise ValueError(linked(f"`start`={self.start!r} is after `finish`={self.finish!r} in a fit of {self.n_epoch} epochs "
                              f"(at {self.pct_start:g} and {self.pct_finish:g} of training)", 'start-finish'))
-        self.micro_bs = self.micro_batch_size or loader_bs(self.dls.train) # checked against each other in `super().before_fit`
+        # checked against each other in `super().before_fit`
+        self.micro_bs = self.micro_batch_size or loader_bs(self.dls.train)
         if self.micro_bs is not None: self._check_sizes()
         self.accum_bss = []
 
@@ -95,7 +99,8 @@ class GradientAccumulationSchedule(GradientAccumulation):
         "Plan the epoch's windows, and share the size record with the `ParamScheduler`, if any"
         super().before_train()
         ps = self._param_scheduler()
-        if ps is not None and hasattr(ps, 'hps'): ps.hps['accum_bs'] = self.accum_bss # it hands its `hps` to the Recorder
+        # it hands its `hps` to the Recorder
+        if ps is not None and hasattr(ps, 'hps'): ps.hps['accum_bs'] = self.accum_bss
 
     def _yielded(self):
         "Find the micro-batch size from the first micro-batch when no one stated it, before its window opens"
@@ -133,7 +138,8 @@ class GradientAccumulationSchedule(GradientAccumulation):
         self.__dict__['_target'] = bs = self.accum_bs_at(self._pct(self.iter, self.n_iter))
         return bs
     def _plan(self, sizes:list[int])->WindowPlan:
-        if self.micro_bs is None and sizes: # a batch sampler read ahead: its first micro-batch, as `before_batch` would find it
+        # a batch sampler read ahead: its first micro-batch, as `before_batch` would find it
+        if self.micro_bs is None and sizes:
             self.micro_bs = sizes[0]
             self._check_sizes()
         return WindowPlan(sizes, lambda i: self.windows.per_process(self.accum_bs_at(self._pct(i, len(sizes)))), self.windows.drop)
@@ -144,7 +150,8 @@ class GradientAccumulationSchedule(GradientAccumulation):
 
     def _pct_of(self, name, value)->float:
         if isinstance(value, float): return value
-        if value > self.n_epoch: # `fine_tune`'s one-epoch frozen fit, say: hold the size the schedule reaches at the end
+        # `fine_tune`'s one-epoch frozen fit, say: hold the size the schedule reaches at the end
+        if value > self.n_epoch:
             self._warn_once(f'past-{name}', f"`{name}`={value} is past the end of this fit of {self.n_epoch} epoch(s): "
                             f"the schedule {dict(start='starts', finish='finishes')[name]} at the end of training instead")
             return 1.
