@@ -1,7 +1,9 @@
 """How `make env` installs (issue 42): torch and torchvision pinned in `requirements/torch.txt` alone, without a local
 label (PyPI serves no `2.13.0+cpu`), and installed from the index `tools/torch_index.py` picks, quickly where PyTorch's
-index does not answer. Offline and instant: `make check-locks` is the check against PyPI itself."""
+index does not answer. Offline and instant: `make check-locks` is the check against PyPI itself. Issue 48: the
+requirements are the range `make test-matrix` tests, with no upper bound; tools/matrix.py skips an end not to be had."""
 import os, sys, time
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,3 +58,22 @@ def test_plain_env_hides_pip_configuration(monkeypatch):
     env = check_locks.plain_env()
     assert env['PIP_CONFIG_FILE'] == os.devnull and 'PIP_FIND_LINKS' not in env and 'PIP_EXTRA_INDEX_URL' not in env
     assert env['PIP_CERT'] == '/etc/ssl/certs/ca-certificates.crt'
+
+@pytest.mark.one_env
+def test_matrix_counts_and_an_end_not_to_be_had(tmp_path, monkeypatch, capsys):
+    """tools/matrix.py: the counts read from pytest's JUnit XML; an end whose torch pip cannot find is skipped, saying
+    why, at build and at every run (an index with nothing in it, pip's configuration hidden: offline, seconds)"""
+    import matrix
+    xml = tmp_path/'junit.xml'
+    xml.write_text('<testsuites><testsuite tests="9" failures="1" errors="2" skipped="3"/></testsuites>')
+    assert matrix.counts(xml) == dict(passed=3, failed=3, skipped=3)
+    (tmp_path/'empty').mkdir()
+    monkeypatch.setenv('PIP_CONFIG_FILE', os.devnull); monkeypatch.delenv('PIP_FIND_LINKS', raising=False)
+    monkeypatch.setenv('TORCH_INDEX', (tmp_path/'empty').as_uri())
+    monkeypatch.setitem(matrix.ENDS, 'gone', (tmp_path/'venv', *matrix.ENDS['newest'][1:]))
+    matrix.build('gone')
+    assert (tmp_path/'venv'/'.unobtainable').exists() and not (tmp_path/'venv'/'.installed').exists()
+    assert matrix.run('gone')
+    out = capsys.readouterr().out
+    assert 'MATRIX gone: SKIPPED: torch-newest.txt: pip cannot install it here: ERROR: ' in out, out
+    assert 'No matching distribution found for torch==' in out, out
