@@ -23,9 +23,12 @@ from check_locks import plain_env
 ENDS = {'newest': ('.venv-newest', 'requirements/torch-newest.txt', 'requirements/latest.lock'),
         'oldest': ('.venv-oldest', 'requirements/torch-oldest.txt', 'requirements/oldest.lock')}
 # exactness (float64 to 1e-8) of the callback, the adversarial cases (cancels, loss terms, sum-reduced losses, MixUp,
-# schedules), 16-bit, MicroBatching; DDP on 2 processes (forked, and under torchrun in test_precision); FSDP2 on 2
+# schedules), 16-bit, MicroBatching; DDP on 2 processes (forked, and under torchrun in test_precision); FSDP2 and FSDP1
+# on 2 (one torchrun launch of test_sharded's cases, and the context that starts the group)
+SHARDED = ['test_two_fits_match_one_process', 'test_torch_optimizer_and_microbatching',
+           'test_user_sharded_model_in_the_context', 'test_context_starts_and_ends_the_group']
 SUBSET = ['tests/test_gradaccum.py', 'tests/test_contract.py', 'tests/test_schedule.py', 'tests/test_precision.py',
-          'tests/test_microbatch.py', 'tests/test_sharded.py::test_context_starts_and_ends_the_group']
+          'tests/test_microbatch.py', *[f'tests/test_sharded.py::{t}' for t in SHARDED]]
 PYTEST = ['-m', 'pytest', '-q', '-rs', '-p', 'no:cacheprovider', '--strict-markers', '-m', 'not one_env and not slow',
           # the loggers are an extra the oldest end leaves out
           '--deselect', 'tests/test_microbatch.py::test_tensorboard_and_wandb_one_row_per_step']
