@@ -4,11 +4,16 @@
 # Each installs torch and torchvision first (requirements/torch.txt), from one index: TORCH_INDEX where given
 # (`make env TORCH_INDEX=https://download.pytorch.org/whl/cu126`), else PyTorch's CPU index where it answers within 3 s,
 # else the indexes pip is configured with (tools/torch_index.py says which); then its lock, all from PyPI.
+# Two more, the ends of the supported range, for the acceptance subset only (`make test-matrix`): .venv-newest (the
+# newest torch obtainable), .venv-oldest (the oldest torch, fastai and fastcore), built the same way (tools/matrix.py).
 SHELL := /bin/bash
 PY ?= python3
 NBDEV_ENV := .venv-nbdev
 USER_ENV := .venv
 BENCH_ENV := .venv-bench
+# the two ends of the supported range (`make test-matrix`, tools/matrix.py)
+NEWEST_ENV := .venv-newest
+OLDEST_ENV := .venv-oldest
 # W&B never talks to a server from here; TensorBoard writes plain event files
 export WANDB_MODE := offline
 export WANDB_SILENT := true
@@ -18,7 +23,9 @@ TORCH_INDEX ?=
 # $(call torch,ENV,PINS): PINS (pip arguments) from the index tools/torch_index.py picks
 torch = opts=$$($(PY) tools/torch_index.py "$(TORCH_INDEX)") && $(1)/bin/pip install -qq $$opts $(2)
 
-.PHONY: env check-locks check-pins lint demo test test-quick export check-export notebooks readme check-readme check-wheel docs nbtest pytest bench clean
+.PHONY: env matrix-env test-matrix
+.PHONY: check-locks check-pins lint demo test test-quick export check-export notebooks readme check-readme check-wheel
+.PHONY: docs nbtest pytest bench clean
 
 env: $(NBDEV_ENV)/.installed $(USER_ENV)/.installed
 
@@ -46,9 +53,28 @@ $(BENCH_ENV)/.installed: requirements/torch.txt requirements/bench.lock requirem
 	$(BENCH_ENV)/bin/pip install -qq --no-deps --no-build-isolation -e .
 	touch $@
 
+# The ends of the supported range, built as .venv is (tools/matrix.py --build): the users' lock on the newest torch
+# obtainable (requirements/torch-newest.txt), and the oldest torch, fastai, fastcore and Accelerate the requirements
+# accept (requirements/torch-oldest.txt, requirements/oldest.lock). An end whose torch pip cannot obtain here is
+# skipped, saying why.
+matrix-env: $(NEWEST_ENV)/.installed $(OLDEST_ENV)/.installed
+
+$(NEWEST_ENV)/.installed: requirements/torch-newest.txt requirements/latest.lock setup.py settings.ini
+	$(PY) tools/matrix.py --build newest
+
+$(OLDEST_ENV)/.installed: requirements/torch-oldest.txt requirements/oldest.lock setup.py settings.ini
+	$(PY) tools/matrix.py --build oldest
+
+# Each end: pip keeps its torch when the library's wheel installs, and the acceptance subset (tools/matrix.py's SUBSET)
+# passes, with its counts on one `MATRIX` line per end
+MATRIX := $(PY) tools/matrix.py
+test-matrix: matrix-env
+	mkdir -p $(WANDB_DIR)
+	$(MATRIX)
+
 # The locks resolve from plain PyPI once torch is installed, with this machine's pip configuration (its folder of wheels,
 # its extra indexes) hidden: a pin PyPI lacks fails here before it fails on a contributor's machine
-check-locks: env
+check-locks: env matrix-env
 	$(USER_ENV)/bin/python tools/check_locks.py
 
 # What `make test` runs: every pin listed on plain PyPI (seconds); `make check-locks` resolves them in full (minutes)
@@ -134,14 +160,16 @@ test-quick: $(USER_ENV)/.installed
 	mkdir -p $(WANDB_DIR)
 	$(USER_ENV)/bin/python $(PYTEST) -m 'not slow and not multiprocess'
 
-# the checks that rewrite files (export, readme) first; then the notebooks and the pytest processes, $(JOBS) at a time
-test: env check-pins lint check-export check-readme check-wheel
+# the checks that rewrite files (export, readme) first; then the notebooks, the pytest processes and the acceptance
+# subset on each end of the supported range, $(JOBS) at a time
+test: env matrix-env check-pins lint check-export check-readme check-wheel
 	mkdir -p $(WANDB_DIR)
-	$(USER_ENV)/bin/python tools/jobs.py -j $(JOBS) "$(PYTEST_USERS_MP)" "$(NBTEST)" "$(PYTEST_USERS)" "$(PYTEST_NBDEV)"
+	$(USER_ENV)/bin/python tools/jobs.py -j $(JOBS) "$(PYTEST_USERS_MP)" "$(NBTEST)" "$(PYTEST_USERS)" "$(PYTEST_NBDEV)" \
+		"$(MATRIX) newest" "$(MATRIX) oldest"
 
 # bench/run.py runs in the users' .venv; its peers.py (Lightning, Accelerate, fastxtend beside this library) in .venv-bench
 bench: $(USER_ENV)/.installed $(BENCH_ENV)/.installed
 	$(USER_ENV)/bin/python bench/run.py --peers-python $(BENCH_ENV)/bin/python
 
 clean:
-	rm -rf $(NBDEV_ENV) $(USER_ENV) $(BENCH_ENV) $(WANDB_DIR) _proc _docs
+	rm -rf $(NBDEV_ENV) $(USER_ENV) $(BENCH_ENV) $(NEWEST_ENV) $(OLDEST_ENV) $(WANDB_DIR) _proc _docs
