@@ -16,6 +16,7 @@ from .distributed import sharding_engine
 from .messages import linked
 from .window import raised_everywhere
 from .export import LeftOutOfExport
+from .patches import training_owner
 
 # %% auto #0
 __all__ = ['FORMAT', 'META', 'CheckpointError', 'atomic_save', 'file_digest', 'read_meta', 'check_file', 'load_file',
@@ -297,17 +298,21 @@ def process_state(learn:Learner, # The Learner whose loader's shuffle (and scale
     if scaler is not None and hasattr(scaler, 'state_dict'): st['scaler'] = _data(scaler.state_dict())
     return st
 
+def _restore_streams(st:dict):
+    "Python's, NumPy's, torch's CPU and CUDA random streams from `process_state`'s `st`"
+    random.setstate(st['python'])
+    name,keys,pos,has_gauss,gauss = st['numpy']
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(st['torch'])
+    if 'cuda' in st and torch.cuda.is_available(): torch.cuda.set_rng_state_all(st['cuda'][:torch.cuda.device_count()])
+
 def restore_process_state(learn:Learner, # The Learner whose loader's shuffle (and scaler) to restore
                           st:dict, # What process_state returned
                           scaler:bool=True, # Restore learn.scaler's state too
                          ):
     "Restore `process_state`'s `st` on this process (the scaler's too, when `scaler` and the Learner has one)"
-    random.setstate(st['python'])
-    name,keys,pos,has_gauss,gauss = st['numpy']
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(st['torch'])
+    _restore_streams(st)
     _shuffle_source(learn.dls.train).rng.setstate(st['shuffle'])
-    if 'cuda' in st and torch.cuda.is_available(): torch.cuda.set_rng_state_all(st['cuda'][:torch.cuda.device_count()])
     if scaler and 'scaler' in st and getattr(learn, 'scaler', None) is not None:
         learn.scaler.load_state_dict(st['scaler'])
 
@@ -397,8 +402,25 @@ def _agree(err:str|None, what:str):
         (f'process {r}: ' if _world() > 1 else '') + strip(e) for r,e in errs), 'resume')))
 
 # %% ../nbs/resume.ipynb #a37cb002
+_COUNTERS = ('i_window', 'train_step', 'n_steps') # the window engine's: this epoch's window, this fit's steps
+
+class _StepSave(Callback):
+    "Saves its `ResumeCheckpoint` at the end of a micro-batch that closed a window: after every callback recorded it"
+    order,run_valid = 100,False
+    def __init__(self, rc): self.rc = rc
+    def after_batch(self): self.rc._after_window()
+
+class _Streams(Callback):
+    "A resumed epoch's first micro-batch, before any callback draws: the random streams as they were after the step"
+    order = -1000
+    def __init__(self, st): self.st = st
+    def before_batch(self):
+        if self.st is None or not self.training: return
+        _restore_streams(self.st)
+        self.st = None
+
 class ResumeCheckpoint(LeftOutOfExport, Callback):
-    "Save a checkpoint folder after every epoch, each process its own state; the same run started again continues"
+    "Save a checkpoint folder after every epoch (and every N optimizer steps); the same run started again continues"
     order = TrainEvalCallback.order+1 # before_fit: before the engine wraps the model (fastai's DistributedTrainer, 11)
     def __init__(self,
         fname:str='checkpoint', # Folder in learn.path/learn.model_dir (a name, used literally)
@@ -406,11 +428,14 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         run_id:str|None=None, # The run's name, saved: another run's checkpoint is refused
         ignore:tuple=(), # Keys of run_record not compared on resume (e.g. 'versions')
         keep:int=1, # Checkpoints kept in the folder: the newest
+        every_n_steps:int|None=None, # Also save every N optimizer steps (windows closed): resumed mid-epoch
     ):
         if resume not in (True, False, 'auto'):
             raise ValueError(linked(f"resume must be 'auto', True or False, got {resume!r}", 'resume'))
         if not (isinstance(keep, int) and keep >= 1):
             raise ValueError(linked(f'keep must be an int >= 1, got {keep!r}', 'resume'))
+        if every_n_steps is not None and not (isinstance(every_n_steps, int) and every_n_steps >= 1):
+            raise ValueError(linked(f'every_n_steps must be an int >= 1 or None, got {every_n_steps!r}', 'resume'))
         if not fname or Path(fname).name != fname or fname in ('.', '..'):
             raise ValueError(linked(f"fname must be a folder's name (no '/'), got {fname!r}", 'resume'))
         store_attr()
@@ -427,7 +452,9 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         self._remove_skip() # one a fit that raised left behind
         # `lr_find`'s fit is no training, and `validate`/`get_preds` fire `before_fit` too (holding the Learner's lock)
         self.start,self.pending,self.skip = 0,None,hasattr(self.learn, 'lr_finder') or self.learn.lock.locked()
+        self.mid,self.shuffle = None,None # a mid-epoch resume's point, the epoch's shuffle as it started
         if self.skip: return
+        if self.every_n_steps: self.learn.add_cb(_StepSave(self))
         k,record = self.i_fit,run_record(self.learn) # a fit that raised keeps its index: the next one resumes it
         self.records = self.records[:k] + [record]
         if self.identity is None and _rank() == 0: self.identity = weights_digest(self.model) # the run's first weights
@@ -450,10 +477,13 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         restore_process_state(self.learn, st, scaler=False)
         self.learn.train_iter = meta['train_iter']
         done = meta['fit'] > k # an earlier fit of the run: done, all its epochs skipped
-        self.start = self.n_epoch if done else meta['epoch']+1
+        mid = None if done else meta.get('mid') # saved after a step: the epoch resumed at its next micro-batch
+        self.start = self.n_epoch if done else meta['epoch']+(mid is None)
         self.pending = None if done else (st, meta.get('recorder'))
+        if mid is not None: self.mid = mid; self.learn.add_cb(_Streams(st)) # after the loader's own draws
         if _rank() == 0:
-            how = (f"resumed at epoch {self.start} of {self.n_epoch}" if self.start < self.n_epoch
+            at = '' if mid is None else f", micro-batch {mid['iter']} (optimizer step {mid['counters']['train_step']})"
+            how = (f"resumed at epoch {self.start}{at} of {self.n_epoch}" if self.start < self.n_epoch
                    else "was completed before: its epochs are skipped")
             print(linked(f"ResumeCheckpoint: fit {k} of this run {how} ({folder}, saved after fit {meta['fit']} epoch "
                          f"{meta['epoch']}){note}", 'resume'))
@@ -511,18 +541,65 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
             self.learn.scaler.load_state_dict(st['scaler'])
         restore_recorder(self.learn, rec)
 
+    def before_train(self):
+        "Keep the epoch's shuffle as it starts (a step's checkpoint holds it); a resumed epoch skips what it trained"
+        if self.skip: return
+        if self.every_n_steps or self.mid is not None: self._check_mid()
+        self.shuffle = _shuffle_source(self.dl).rng.getstate()
+        if self.mid is not None and self.epoch == self.start: self._skip_done(self.mid)
+
+    def _check_mid(self):
+        "Refuse, before the epoch trains, the cases where a mid-epoch checkpoint would not resume exactly"
+        dl,why = self.dl,None
+        if _world() > 1 or dl is not _shuffle_source(dl): why = f'{_world()} processes (a distributed loader)'
+        elif not isinstance(dl, DataLoader) or dl.prebatched: why = f'a training loader of type {type(dl).__name__}'
+        elif (w := dl.fake_l.num_workers): why = f'a training loader with num_workers={w}' # fastai's own is >= 1
+        elif training_owner(self.learn) is None: why = 'no accumulation callback (GradientAccumulation) in the fit'
+        if why: raise ValueError(linked(f"ResumeCheckpoint(every_n_steps={self.every_n_steps}) resumes mid-epoch "
+            f"exactly on one process, with a fastai DataLoader without workers and GradientAccumulation: this fit has "
+            f"{why}. Pass every_n_steps=None (a checkpoint after every epoch)", 'resume'))
+
+    def _skip_done(self, mid:dict):
+        "The resumed epoch starts at micro-batch `mid['iter']`: the loader leaves out the samples trained before it"
+        dl,learn,r,n = self.dl,self.learn,training_owner(self.learn).windows,mid['iter']*self.dl.bs
+        def get_idxs(): # the epoch's order (its shuffle restored), less what was trained: those are never loaded
+            self._unskip(dl)
+            for k in _COUNTERS: setattr(r, k, mid['counters'][k])
+            learn.pct_train = mid['pct_train']
+            if r.plan is not None: learn.n_iter = len(r.plan.sizes)
+            return list(dl.get_idxs())[n:]
+        vars(dl).update(get_idxs=get_idxs, fxa_start=mid['iter']) # `fxa_start`: the `iter` fastai's loop starts at
+        self.mid = None
+
+    def _unskip(self, dl):
+        for k in ('get_idxs', 'fxa_start'): vars(dl).pop(k, None)
+
+    def after_train(self):
+        if not self.skip: self._unskip(self.dl)
+
+    def _after_window(self):
+        "Save every `every_n_steps` optimizer steps (`_StepSave`, once the micro-batch that closed the window is done)"
+        acc = training_owner(self.learn)
+        if self.skip or acc is None or not acc.window_closed or acc.train_step % self.every_n_steps: return
+        r = acc.windows
+        # `pct_train` as the micro-batch leaves it (`micro_batch`'s `finally`, after this event)
+        self.save(mid=dict(iter=self.iter+1, pct_train=r.mb_pct + 1./(self.n_iter*self.n_epoch),
+                           counters={k: getattr(r, k) for k in _COUNTERS}))
+
     def after_fit(self):
         "The fit is done (ended, or cancelled): the next one is a new fit. Take the epoch-skipping callback off again"
         if not self.skip: self.i_fit += 1
         self._remove_skip()
-    def _remove_skip(self): self.learn.remove_cbs([cb for cb in self.learn.cbs if isinstance(cb, _SkipDone)])
+    def _remove_skip(self):
+        self.learn.remove_cbs([cb for cb in self.learn.cbs if isinstance(cb, (_SkipDone, _StepSave, _Streams))])
+        self._unskip(self.learn.dls.train)
 
     def after_epoch(self):
         "Save the checkpoint of the epoch just done"
         if self.skip or self.epoch < self.start: return
         self.save()
 
-    def save(self):
+    def save(self, mid:dict|None=None):
         "Write this point of the run as a new checkpoint folder (collective: each process its state, rank 0 metadata)"
         name,rank = f'fit-{self.i_fit}-step-{self.train_iter}',_rank()
         final,tmp,err = self.folder/name,None,None
@@ -541,22 +618,25 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         tmp,err = Path(tmp),None
         try:
             save_weights(tmp, self.model, self.opt)
-            _write_fd(_open_new(tmp/f'process-{rank}.pt'), process_state(self.learn))
+            st = process_state(self.learn)
+            if mid is not None: st['shuffle'] = self.shuffle # as the epoch started: its order drawn again
+            _write_fd(_open_new(tmp/f'process-{rank}.pt'), st)
         except Exception as e: err = _why(e)
         errs = [(r, e) for r,e in enumerate(_gather(err)) if e]
         if errs: fail(errs)
         if rank == 0:
-            try: self._publish(tmp, final)
+            try: self._publish(tmp, final, mid)
             except Exception as e: err = _why(e)
         err = _bcast(err)
         if err: fail([(0, err)])
 
-    def _publish(self, tmp:Path, final:Path):
+    def _publish(self, tmp:Path, final:Path, mid:dict|None=None):
         "Rank 0: the metadata (each file's sha256 and size), the folder renamed into place and fsynced; old ones pruned"
         files = {str(p.relative_to(tmp)): file_digest(p) for p in sorted(tmp.rglob('*')) if p.is_file()}
         meta = dict(format=FORMAT, run_id=self.run_id, identity=self.identity, fit=self.i_fit, fits=self.records,
                     epoch=self.epoch, n_epoch=self.n_epoch, train_iter=self.train_iter, world_size=_world(),
                     sharded=_is_sharded(self.model), recorder=recorder_state(self.learn), time=time.time(), files=files,
+                    mid=mid,
                     versions=dict(self.records[-1]['versions'], torch=torch.__version__))
         meta = json.loads(json.dumps(meta)) # as a reader sees it (tuples as lists, keys as strings), then its checksum
         meta['sha256'] = _meta_sha(meta)
