@@ -3,7 +3,7 @@ well as after every epoch, keeping the last `keep`; a fit stopped by an exceptio
 resumes from the last step saved, with the epoch's remaining micro-batches (none of the trained ones loaded or seen by
 a callback), the same windows, lrs and Recorder, and ends where the uninterrupted run ends (float64, 1e-8)."""
 import pytest, torch
-from fastai.basics import Learner, nn, Callback, DataLoaders
+from fastai.basics import Learner, nn, Callback, DataLoaders, accuracy
 import fastai.callback.schedule # noqa: F401 (fit_one_cycle)
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.resume import ResumeCheckpoint, checkpoints, read_meta
@@ -87,5 +87,10 @@ def test_mid_epoch_checkpoints_refuse_what_would_not_resume_exact(tmp_path):
         GradientAccumulation(ACCUM), ResumeCheckpoint('run', every_n_steps=2), seen])
     learn.dls.train.fake_l.num_workers = 1
     with pytest.raises(ValueError, match='a training loader with num_workers=1'): fit(learn)
+    assert seen.seen == {}
+    learn = Learner(dls(), model(), loss_func=nn.CrossEntropyLoss(), path=tmp_path, metrics=[accuracy], cbs=[
+        GradientAccumulation(ACCUM), ResumeCheckpoint('run', every_n_steps=2), seen])
+    learn.recorder.train_metrics = True
+    with pytest.raises(ValueError, match="train metrics"): fit(learn)
     assert seen.seen == {}
     with pytest.raises(ValueError, match='every_n_steps must be an int >= 1'): ResumeCheckpoint(every_n_steps=0)
