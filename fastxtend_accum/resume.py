@@ -404,10 +404,12 @@ def _agree(err:str|None, what:str):
 # %% ../nbs/resume.ipynb #a37cb002
 _COUNTERS = ('i_window', 'train_step', 'n_steps') # the window engine's: this epoch's window, this fit's steps
 
-class _StepSave(Callback):
-    "Saves its `ResumeCheckpoint` at the end of a micro-batch that closed a window: after every callback recorded it"
+class _MidEpoch(Callback):
+    "Its `ResumeCheckpoint`'s mid-epoch part, after every other callback: the epoch's loader as it trains (fastai's "
+    "`DistributedDL` included), and a save once the micro-batch that closed a window is recorded"
     order,run_valid = 100,False
     def __init__(self, rc): self.rc = rc
+    def before_train(self): self.rc._at_train()
     def after_batch(self): self.rc._after_window()
 
 class _Streams(Callback):
@@ -452,9 +454,9 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         self._remove_skip() # one a fit that raised left behind
         # `lr_find`'s fit is no training, and `validate`/`get_preds` fire `before_fit` too (holding the Learner's lock)
         self.start,self.pending,self.skip = 0,None,hasattr(self.learn, 'lr_finder') or self.learn.lock.locked()
-        self.mid,self.shuffle = None,None # a mid-epoch resume's point, the epoch's shuffle as it started
+        self.mid,self.rate,self.shuffle = None,None,None # a mid-epoch resume's point, the epoch's shuffle as it started
         if self.skip: return
-        if self.every_n_steps: self.learn.add_cb(_StepSave(self))
+        if self.every_n_steps: self.learn.add_cb(_MidEpoch(self))
         k,record = self.i_fit,run_record(self.learn) # a fit that raised keeps its index: the next one resumes it
         self.records = self.records[:k] + [record]
         if self.identity is None and _rank() == 0: self.identity = weights_digest(self.model) # the run's first weights
@@ -480,7 +482,10 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         mid = None if done else meta.get('mid') # saved after a step: the epoch resumed at its next micro-batch
         self.start = self.n_epoch if done else meta['epoch']+(mid is None)
         self.pending = None if done else (st, meta.get('recorder'))
-        if mid is not None: self.mid = mid; self.learn.add_cb(_Streams(st)) # after the loader's own draws
+        if mid is not None: # restored after the loader's own draws
+            self.mid,self.rate = mid,st.get('rate')
+            self.learn.add_cb(_Streams(st))
+            if not self.every_n_steps: self.learn.add_cb(_MidEpoch(self))
         if _rank() == 0:
             at = '' if mid is None else f", micro-batch {mid['iter']} (optimizer step {mid['counters']['train_step']})"
             how = (f"resumed at epoch {self.start}{at} of {self.n_epoch}" if self.start < self.n_epoch
@@ -543,35 +548,42 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
 
     def before_train(self):
         "Keep the epoch's shuffle as it starts (a step's checkpoint holds it); a resumed epoch skips what it trained"
-        if self.skip: return
-        if self.every_n_steps or self.mid is not None: self._check_mid()
-        self.shuffle = _shuffle_source(self.dl).rng.getstate()
+        if not self.skip: self.shuffle = _shuffle_source(self.dl).rng.getstate()
+
+    def _at_train(self):
+        "After every `before_train` (`_MidEpoch`): the epoch's loader checked; a resumed epoch skips what it trained"
+        self._check_mid()
         if self.mid is not None and self.epoch == self.start: self._skip_done(self.mid)
 
     def _check_mid(self):
         "Refuse, before the epoch trains, the cases where a mid-epoch checkpoint would not resume exactly"
         dl,why = self.dl,None
-        if _world() > 1 or dl is not _shuffle_source(dl): why = f'{_world()} processes (a distributed loader)'
-        elif not isinstance(dl, DataLoader) or dl.prebatched: why = f'a training loader of type {type(dl).__name__}'
+        ddl = f'{type(dl).__module__}.{type(dl).__name__}' == 'fastai.distributed.DistributedDL' # not imported here
+        plain = ddl if _world() > 1 else dl is _shuffle_source(dl) # the epoch's order: its `get_idxs`
+        if not isinstance(dl, DataLoader) or dl.prebatched or not plain:
+            why = f'a training loader of type {type(dl).__name__}' + (' (windows dealt over the processes: '
+                  'global_bs=True)' if type(dl).__name__ == 'WindowDealtDL' else '')
         elif (w := dl.fake_l.num_workers): why = f'a training loader with num_workers={w}' # fastai's own is >= 1
         elif training_owner(self.learn) is None: why = 'no accumulation callback (GradientAccumulation) in the fit'
         elif getattr(getattr(self.learn, 'recorder', None), 'train_metrics', False) and self.learn.metrics:
             why = "train metrics (Recorder's train_metrics=True: their sums are not saved)"
         if why: raise ValueError(linked(f"ResumeCheckpoint(every_n_steps={self.every_n_steps}) resumes mid-epoch "
-            f"exactly on one process, with a fastai DataLoader without workers and GradientAccumulation: this fit has "
+            f"exactly with a fastai DataLoader (or DistributedDL) without workers and GradientAccumulation: this fit "
+            f"has "
             f"{why}. Pass every_n_steps=None (a checkpoint after every epoch)", 'resume'))
 
     def _skip_done(self, mid:dict):
         "The resumed epoch starts at micro-batch `mid['iter']`: the loader leaves out the samples trained before it"
-        dl,learn,r,n = self.dl,self.learn,training_owner(self.learn).windows,mid['iter']*self.dl.bs
+        dl,learn,r,n,rate = self.dl,self.learn,training_owner(self.learn).windows,mid['iter']*self.dl.bs,self.rate
         def get_idxs(): # the epoch's order (its shuffle restored), less what was trained: those are never loaded
             self._unskip(dl)
             for k in _COUNTERS: setattr(r, k, mid['counters'][k])
+            if rate is not None: r.rate = rate # several processes: items per sample, as the step left it
             learn.pct_train = mid['pct_train']
             if r.plan is not None: learn.n_iter = len(r.plan.sizes)
             return list(dl.get_idxs())[n:]
         vars(dl).update(get_idxs=get_idxs, fxa_start=mid['iter']) # `fxa_start`: the `iter` fastai's loop starts at
-        self.mid = None
+        self.mid,self.rate = None,None
 
     def _unskip(self, dl):
         for k in ('get_idxs', 'fxa_start'): vars(dl).pop(k, None)
@@ -580,9 +592,9 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         if not self.skip: self._unskip(self.dl)
 
     def _after_window(self):
-        "Save every `every_n_steps` optimizer steps (`_StepSave`, once the micro-batch that closed the window is done)"
+        "Save every `every_n_steps` optimizer steps (`_MidEpoch`, once the micro-batch that closed the window is done)"
         acc = training_owner(self.learn)
-        if self.skip or acc is None or not acc.window_closed or acc.train_step % self.every_n_steps: return
+        if self.skip or not self.every_n_steps or not acc.window_closed or acc.train_step % self.every_n_steps: return
         r = acc.windows
         # `pct_train` as the micro-batch leaves it (`micro_batch`'s `finally`, after this event)
         self.save(mid=dict(iter=self.iter+1, pct_train=r.mb_pct + 1./(self.n_iter*self.n_epoch),
@@ -593,7 +605,7 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         if not self.skip: self.i_fit += 1
         self._remove_skip()
     def _remove_skip(self):
-        self.learn.remove_cbs([cb for cb in self.learn.cbs if isinstance(cb, (_SkipDone, _StepSave, _Streams))])
+        self.learn.remove_cbs([cb for cb in self.learn.cbs if isinstance(cb, (_SkipDone, _MidEpoch, _Streams))])
         self._unskip(self.learn.dls.train)
 
     def after_epoch(self):
@@ -622,6 +634,7 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
             save_weights(tmp, self.model, self.opt)
             st = process_state(self.learn)
             if mid is not None: st['shuffle'] = self.shuffle # as the epoch started: its order drawn again
+            if mid is not None and (rate := training_owner(self.learn).windows.rate) is not None: st['rate'] = rate
             _write_fd(_open_new(tmp/f'process-{rank}.pt'), st)
         except Exception as e: err = _why(e)
         errs = [(r, e) for r,e in enumerate(_gather(err)) if e]
