@@ -94,3 +94,31 @@ def test_mid_epoch_checkpoints_refuse_what_would_not_resume_exact(tmp_path):
     with pytest.raises(ValueError, match="train metrics"): fit(learn)
     assert seen.seen == {}
     with pytest.raises(ValueError, match='every_n_steps must be an int >= 1'): ResumeCheckpoint(every_n_steps=0)
+
+@pytest.mark.multiprocess
+def test_two_processes_killed_mid_window_resume_exact_under_torchrun(tmp_path):
+    import os, subprocess, sys
+    from test_distributed import free_port, ENV, HERE
+    def launch(tag, phase):
+        cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max_restarts=1',
+               '--monitor_interval=0.5', '--master_addr=127.0.0.1', f'--master_port={free_port()}',
+               os.path.join(HERE, 'resume_steps_worker.py'), str(tmp_path), tag, phase]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE),
+                           env=dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1'))
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+        return [torch.load(tmp_path/f'{tag}-rank{r}.pt') for r in range(2)],p.stdout
+    whole,_ = launch('whole', 'whole')
+    killed,stdout = launch('kill', 'kill')
+    assert [k['attempt'] for k in killed] == [1, 1] and 'resumed at epoch 1, micro-batch 20' in stdout, stdout[-2000:]
+    diffs = [max(float((p-q).abs().max()) for p,q in zip(k['params'], w['params'])) for k,w in zip(killed, whole)]
+    n = len(killed[0]['lrs'])
+    lr = max(abs(a[1]-b[1]) for a,b in zip(killed[0]['lrs'], whole[0]['lrs'][-n:]))
+    loss = max(abs(a-b) for a,b in zip(killed[0]['losses'], whole[0]['losses']))
+    print(f'2 processes, process 1 SIGKILLed at micro-batch 22 of epoch 1 (mid-window) and restarted by torchrun: max '
+          f'|param diff| {diffs[0]:.3g} (process 0), {diffs[1]:.3g} (process 1); {n} steps resumed, max |lr diff| '
+          f'{lr:.2g}, max |loss diff| {loss:.2g}')
+    assert max(diffs) < 1e-8 and lr < 1e-12 and loss < 1e-8
+    assert len(killed[0]['losses']) == len(whole[0]['losses'])
+    for k,w in zip(killed, whole): # the restarted fit saw epoch 1 from micro-batch 20 on, nothing before it
+        assert k['seen'] == [s for s in w['seen'] if s >= (1, 20)]
+    assert len(list((tmp_path/'kill'/'models'/'run').iterdir())) == 2 # keep=2
