@@ -480,6 +480,10 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         self.learn.train_iter = meta['train_iter']
         done = meta['fit'] > k # an earlier fit of the run: done, all its epochs skipped
         mid = None if done else meta.get('mid') # saved after a step: the epoch resumed at its next micro-batch
+        if mid is not None and meta['world_size'] != _world():
+            raise raised_everywhere(ValueError(linked(f"{folder} was saved in the middle of epoch {meta['epoch']} by "
+                f"{meta['world_size']} process(es), and this run has {_world()}: a mid-epoch checkpoint resumes on the "
+                "processes that saved it (their shares of the epoch). Start as many, or resume=False", 'resume')))
         self.start = self.n_epoch if done else meta['epoch']+(mid is None)
         self.pending = None if done else (st, meta.get('recorder'))
         if mid is not None: # restored after the loader's own draws

@@ -34,9 +34,10 @@ class Crash(Callback):
     def before_batch(self):
         if self.training and self.epoch == 1 and self.iter == CRASH: raise RuntimeError('stopped')
 
-def learner(path, *cbs, **kw):
+def learner(path, *cbs, global_bs=False):
     return Learner(dls(), model(), loss_func=nn.CrossEntropyLoss(), path=path, cbs=[
-        Float64SmoothLoss(), GradientAccumulation(ACCUM), ResumeCheckpoint('run', every_n_steps=2, keep=3, **kw),
+        Float64SmoothLoss(), GradientAccumulation(ACCUM, global_bs=global_bs),
+        ResumeCheckpoint('run', every_n_steps=2, keep=3),
         Seen(), *cbs])
 
 def fit(learn):
@@ -122,3 +123,18 @@ def test_two_processes_killed_mid_window_resume_exact_under_torchrun(tmp_path):
     for k,w in zip(killed, whole): # the restarted fit saw epoch 1 from micro-batch 20 on, nothing before it
         assert k['seen'] == [s for s in w['seen'] if s >= (1, 20)]
     assert len(list((tmp_path/'kill'/'models'/'run').iterdir())) == 2 # keep=2
+
+def test_a_mid_epoch_checkpoint_resumes_on_as_many_processes(tmp_path):
+    "global_bs=True: the record allows another number of processes, a mid-epoch checkpoint does not"
+    import json
+    from fastxtend_accum.resume import META, _meta_sha
+    cut = learner(tmp_path, Crash(), global_bs=True)
+    with pytest.raises(RuntimeError, match='stopped'): fit(cut)
+    last = checkpoints(tmp_path/'models'/'run')[-1]
+    meta = read_meta(last)
+    meta['world_size'] = 2 # as if saved by 2 processes
+    meta['sha256'] = _meta_sha(meta)
+    (last/META).write_text(json.dumps(meta))
+    learn = learner(tmp_path, global_bs=True)
+    with pytest.raises(ValueError, match=r'by 2 process\(es\), and this run has 1'): fit(learn)
+    assert learn.seen.seen == {}
