@@ -483,7 +483,7 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         if mid is not None and meta['world_size'] != _world():
             raise raised_everywhere(ValueError(linked(f"{folder} was saved in the middle of epoch {meta['epoch']} by "
                 f"{meta['world_size']} process(es), and this run has {_world()}: a mid-epoch checkpoint resumes on the "
-                "processes that saved it (their shares of the epoch). Start as many, or resume=False", 'resume')))
+                "processes that saved it (their shares of the epoch). Start as many, or resume=False", 'resume-steps')))
         self.start = self.n_epoch if done else meta['epoch']+(mid is None)
         self.pending = None if done else (st, meta.get('recorder'))
         if mid is not None: # restored after the loader's own draws
@@ -574,7 +574,7 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         if why: raise ValueError(linked(f"ResumeCheckpoint(every_n_steps={self.every_n_steps}) resumes mid-epoch "
             f"exactly with a fastai DataLoader (or DistributedDL) without workers and GradientAccumulation: this fit "
             f"has "
-            f"{why}. Pass every_n_steps=None (a checkpoint after every epoch)", 'resume'))
+            f"{why}. Pass every_n_steps=None (a checkpoint after every epoch)", 'resume-steps'))
 
     def _skip_done(self, mid:dict):
         "The resumed epoch starts at micro-batch `mid['iter']`: the loader leaves out the samples trained before it"
