@@ -13,10 +13,15 @@ from fastai.torch_core import set_seed
 MB,ACCUM,N_TRAIN,EPOCHS = 8,32,400,3 # 50 micro-batches an epoch: 12 windows of 4, a tail of 2 that drop_last drops
 CRASH = 22 # epoch 1's window 5 holds micro-batches 20-23: the stop cuts it in half; the last save is at micro-batch 15
 
+class Counted(Samples):
+    "The training samples, counting the items the loader reads"
+    n = 0
+    def __getitem__(self, i): Counted.n += 1; return super().__getitem__(i)
+
 def dls():
     x,y = digits_data(torch.float64)
     set_seed(0)
-    return DataLoaders.from_dsets(Samples(zip(x[:N_TRAIN],y[:N_TRAIN])), Samples(zip(x[N_TRAIN:],y[N_TRAIN:])), bs=MB,
+    return DataLoaders.from_dsets(Counted(zip(x[:N_TRAIN],y[:N_TRAIN])), Samples(zip(x[N_TRAIN:],y[N_TRAIN:])), bs=MB,
                                   device='cpu', num_workers=0)
 
 def model():
@@ -26,7 +31,9 @@ def model():
 class Seen(Callback):
     "Each training micro-batch a callback sees: (epoch, iter) -> a digest of its inputs and the dropout stream"
     order = -20
-    def before_fit(self): self.seen = {}
+    def before_fit(self): self.seen,self.loaded = {},[]
+    def before_train(self): Counted.n = 0
+    def after_train(self): self.loaded.append((self.epoch, Counted.n)) # the training items read this epoch
     def before_batch(self):
         if self.training: self.seen[(self.epoch, self.iter)] = (float(self.xb[0].sum()), float(torch.rand(1)))
 
@@ -74,6 +81,12 @@ def test_a_fit_stopped_mid_window_resumes_exact_from_its_last_step(tmp_path, cap
     assert ep1[0] == 16 and ep1 == [i for e,i in sorted(whole.seen.seen) if e == 1 and i >= 16]
     assert all(resumed.seen.seen[k] == whole.seen.seen[k] for k in resumed.seen.seen)
     assert not any(e == 0 for e,_ in resumed.seen.seen)
+    # and the loader read none of epoch 1's first 16 micro-batches' items (each fit reads `probe` more once, as it
+    # starts, in its first trained epoch: in the uninterrupted run, epoch 0)
+    (_,a0),(_,a1),(_,a2) = whole.seen.loaded
+    probe = a0 - a1
+    assert probe <= 1 and resumed.seen.loaded == [(1, a1 - 16*MB + probe), (2, a2)]
+    print('training items read per epoch:', whole.seen.loaded, 'uninterrupted;', resumed.seen.loaded, 'resumed')
     # keep=3: the newest three, the last the fit's end
     last = checkpoints(folder)
     assert len(last) == 3 and read_meta(last[-1])['mid'] is None and read_meta(last[-1])['epoch'] == EPOCHS-1
