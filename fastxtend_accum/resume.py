@@ -430,7 +430,7 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         run_id:str|None=None, # The run's name, saved: another run's checkpoint is refused
         ignore:tuple=(), # Keys of run_record not compared on resume (e.g. 'versions')
         keep:int=1, # Checkpoints kept in the folder: the newest
-        every_n_steps:int|None=None, # Also save every N optimizer steps (windows closed): resumed mid-epoch
+        every_n_steps:int|None=None, # Also save every N optimizer steps (resumed mid-epoch)
     ):
         if resume not in (True, False, 'auto'):
             raise ValueError(linked(f"resume must be 'auto', True or False, got {resume!r}", 'resume'))
@@ -590,9 +590,11 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         self.mid,self.rate = None,None
 
     def _unskip(self, dl):
+        "Take `_skip_done`'s attributes off the loader"
         for k in ('get_idxs', 'fxa_start'): vars(dl).pop(k, None)
 
     def after_train(self):
+        "The loader as fastai made it again (an epoch that stopped before its first micro-batch too)"
         if not self.skip: self._unskip(self.dl)
 
     def _after_window(self):
