@@ -303,7 +303,10 @@ class FitTakeover:
         with contextlib.ExitStack() as stack:
             if self._fast_items: stack.enter_context(_item_path(self.dl))
             if self._fast_copies: stack.enter_context(_copies_non_blocking(self, self.dl))
-            return super().all_batches()
+            start = vars(self.dl).get('fxa_start') # `ResumeCheckpoint`: an epoch resumed at micro-batch `start`
+            if not start: return super().all_batches()
+            self.n_iter = len(self.dl)
+            for o in enumerate(self.dl, start): self.one_batch(*o)
 
     @takes_over('Learner.__call__', "one event name: no `L` built for it")
     def __call__(self, event_name):
