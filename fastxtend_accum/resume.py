@@ -273,12 +273,15 @@ def load_weights(folder:Path, # A checkpoint folder, its files checked against..
                  model:nn.Module, # The model as the Learner holds it
                  opt, # learn.opt, or None
                 ):
-    "Read the model's and optimizer's state from `folder`, each process itself (a sharded model: `load_sharded`)"
-    if _is_sharded(model):
+    "Read the model's and optimizer's state from `folder`, each process itself (saved sharded: `load_sharded`)"
+    if meta.get('sharded'): # into the plain model `sharded_ctx` shards next (any number of processes), or a sharded one
         for name in meta['files']: # torch.distributed.checkpoint's files (its .metadata is a pickle): checked first
             if not name.startswith('process-'): check_file(folder, name, meta)
         from .checkpoint_sharded import load_sharded
         return load_sharded(folder, model, opt)
+    if _is_sharded(model): _fail(folder, f"it was saved from a plain model ({meta['world_size']} process(es)), and "
+        f"this model is sharded ({sharding_engine(model)}) before the fit starts. Shard it with learn.sharded_ctx() "
+        "(which shards after the checkpoint is loaded), or resume it unsharded")
     model = _plain(model)
     model.load_state_dict(load_file(folder, 'model.pt', meta)) # mapped: copied into the parameters, one copy
     if opt is not None and 'optimizer.pt' in meta['files']:
