@@ -3,11 +3,13 @@ torchrun (gloo, CPU): `python -m torch.distributed.run --nproc_per_node=N --max_
 tests/resume_sharded_worker.py OUT TAG PHASE MODE`.
 The script: digits (1,000 samples, fastai's default loaders seeded), the float64 digits MLP, fastai's Adam,
 `GradientAccumulation(64, global_bs=True)`, micro-batches of 8, `fit_one_cycle(4)`, `ResumeCheckpoint('run')` in
-`OUT/TAG`. MODE `sharded`: in `learn.sharded_ctx()` (FSDP2); `plain`: one process, no engine (or DDP on several).
+`OUT/TAG`. MODE `sharded`: in `learn.sharded_ctx()` (FSDP2); `user`: the same, the model sharded (`fully_shard`)
+before the Learner is built; `plain`: one process, no engine (or DDP on several).
 PHASE `whole`: uninterrupted; `kill`: process 1 kills itself (SIGKILL) at micro-batch 3 of epoch 2 in the first attempt,
 and torchrun starts both processes again; `cut`: the fit stops after epoch 1 (its checkpoint saved); `resume`: the same
-script again (it finds the checkpoint). Each process writes `OUT/TAG-<PHASE>-rank<r>.pt`: the parameters (whole) at the
-end; with Adam's state, after each epoch and when the first trained epoch starts; each step's lr, the attempt."""
+script again (it finds the checkpoint; `FXA_IGNORE=model`: `ResumeCheckpoint(ignore=('model',))`).
+Each process writes `OUT/TAG-<PHASE>-rank<r>.pt`: the parameters (whole) at the end; with Adam's state, after each
+epoch and when the first trained epoch starts; each step's lr, the attempt, the error that stopped the fit."""
 import contextlib, os, signal, sys
 from datetime import timedelta
 import torch, torch.nn as nn, torch.distributed as dist
@@ -57,19 +59,26 @@ def main(out:str, tag:str, phase:str, mode:str):
     set_seed(0)
     dls = DataLoaders.from_dsets(trn, val, bs=8, device='cpu', num_workers=0)
     rec = Record()
-    cbs = [Float64SmoothLoss(), GradientAccumulation(64, global_bs=True), rec, ResumeCheckpoint('run')]
+    ignore = tuple(k for k in os.environ.get('FXA_IGNORE', '').split(',') if k) # keys of the run's record
+    cbs = [Float64SmoothLoss(), GradientAccumulation(64, global_bs=True), rec, ResumeCheckpoint('run', ignore=ignore)]
     if phase == 'kill' and rank == 1 and attempt == 0: cbs.append(Kill())
     if phase == 'cut': cbs.append(StopAfter())
-    learn = Learner(dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(), opt_func=Adam, lr=1e-2,
+    model = digits_mlp(seed=0)
+    if mode == 'user': # sharded by the user before the Learner (FSDP2): it is sharded when `ResumeCheckpoint` reads
+        from torch.distributed.fsdp import fully_shard
+        for m in model:
+            if isinstance(m, nn.Linear): fully_shard(m)
+        fully_shard(model)
+    learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=Adam, lr=1e-2,
                     path=Path(out)/tag, cbs=cbs)
     err = None
-    if mode == 'sharded': ctx = learn.sharded_ctx()
+    if mode in ('sharded', 'user'): ctx = learn.sharded_ctx()
     elif dist.get_world_size() > 1: ctx = learn.distrib_ctx(cpu=True)
     else: ctx = contextlib.nullcontext()
     try:
         with ctx, learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(4, 1e-2)
     except Exception as e: err = f'{type(e).__name__}: {e}'; print(f'rank {rank}: {err}', file=sys.stderr)
-    torch.save(dict(params=[p.detach().clone() for p in learn.model.parameters()], lrs=rec.lrs, epochs=rec.epochs,
+    torch.save(dict(params=[whole(p) for p in learn.model.parameters()], lrs=rec.lrs, epochs=rec.epochs,
                     start=rec.start, attempt=attempt, world=dist.get_world_size(), error=err),
                os.path.join(out, f'{tag}-{phase}-rank{rank}.pt'))
     dist.barrier(); dist.destroy_process_group()

@@ -12,12 +12,12 @@ pytestmark = [pytest.mark.multiprocess]
 WORKER = os.path.join(HERE, 'resume_sharded_worker.py')
 TIMEOUT = 300
 
-def launch(out, tag, phase, mode='sharded', n=2):
+def launch(out, tag, phase, mode='sharded', n=2, ignore=''):
     cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--max_restarts=1',
            '--monitor_interval=0.5', '--master_addr=127.0.0.1', f'--master_port={free_port()}', WORKER, str(out), tag,
            phase, mode]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=os.path.dirname(HERE),
-                       env=dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1'))
+                       env=dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1', FXA_IGNORE=ignore))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return [torch.load(out/f'{tag}-{phase}-rank{r}.pt') for r in range(n)],p.stdout
 
@@ -51,7 +51,8 @@ def test_an_fsdp2_run_killed_and_restarted_resumes_exact(tmp_path):
 CASES = [('2 sharded -> 1 sharded', ('sharded', 2), ('sharded', 1)),
          ('1 sharded -> 2 sharded', ('sharded', 1), ('sharded', 2)),
          ('2 sharded -> 1 plain', ('sharded', 2), ('plain', 1)),
-         ('1 plain -> 2 sharded', ('plain', 1), ('sharded', 2))]
+         ('1 plain -> 2 sharded', ('plain', 1), ('sharded', 2)),
+         ('2 sharded before the Learner -> 1', ('user', 2), ('user', 1))] # its weights' digest: the same on 1 and 2
 
 @pytest.mark.parametrize('name,saved,resumed', CASES, ids=[c[0] for c in CASES])
 def test_a_sharded_checkpoint_resumes_on_other_processes_and_engines(tmp_path, name, saved, resumed):
@@ -67,3 +68,18 @@ def test_a_sharded_checkpoint_resumes_on_other_processes_and_engines(tmp_path, n
     assert 'resumed at epoch 2 of 4' in stdout and dp < 1e-12 and do < 1e-12
     assert [e for e,_ in res[0]['lrs']] == [2]*15 + [3]*15 and cut[0]['lrs'][-1][0] == 1
     assert diff(res[0]['params'], at['params']) > 1e-3 # and trained on from there
+
+def refused(res:list, says:str):
+    print(res[0]['error'].splitlines()[-1])
+    for r in res: assert r['error'] is not None and says in r['error'] and r['lrs'] == [] and r['start'] is None
+
+def test_a_model_sharded_before_the_learner_and_a_checkpoint_of_the_plain_model_are_refused(tmp_path):
+    """FSDP2 makes the model's class `FSDPSequential`: the run's record differs, and the resume stops before training
+    naming it. Told to ignore the model's record, a plain `model.pt` into the sharded model stops, naming why"""
+    launch(tmp_path, 'a', 'cut', 'sharded', 1)
+    launch(tmp_path, 'p', 'cut', 'plain', 1)
+    shutil.copytree(tmp_path/'a', tmp_path/'b'); shutil.copytree(tmp_path/'p', tmp_path/'q')
+    refused(launch(tmp_path, 'b', 'resume', 'user', 2)[0], 'model: Sequential, 4 tensors, 2410 values, repr sha256')
+    refused(launch(tmp_path, 'q', 'resume', 'user', 2, ignore='model')[0],
+            "it was saved from a plain model (1 process(es)), and this model is sharded (fsdp2) before the fit starts. "
+            "Shard it with learn.sharded_ctx()")
