@@ -274,12 +274,15 @@ def load_weights(folder:Path, # A checkpoint folder, its files checked against..
                  model:nn.Module, # The model as the Learner holds it
                  opt, # learn.opt, or None
                 ):
-    "Read the model's and optimizer's state from `folder`, each process itself (a sharded model: `load_sharded`)"
-    if _is_sharded(model):
+    "Read the model's and optimizer's state from `folder`, each process itself (saved sharded: `load_sharded`)"
+    if meta.get('sharded'): # into the plain model `sharded_ctx` shards next (any number of processes), or a sharded one
         for name in meta['files']: # torch.distributed.checkpoint's files (its .metadata is a pickle): checked first
             if not name.startswith('process-'): check_file(folder, name, meta)
         from .checkpoint_sharded import load_sharded
         return load_sharded(folder, model, opt)
+    if _is_sharded(model): _fail(folder, f"it was saved from a plain model ({meta['world_size']} process(es)), and "
+        f"this model is sharded ({sharding_engine(model)}) before the fit starts. Shard it with learn.sharded_ctx() "
+        "(which shards after the checkpoint is loaded), or resume it unsharded")
     model = _plain(model)
     model.load_state_dict(load_file(folder, 'model.pt', meta)) # mapped: copied into the parameters, one copy
     if opt is not None and 'optimizer.pt' in meta['files']:
@@ -370,18 +373,24 @@ def _leftovers(folder:Path)->list[Path]:
         if m and m.group(1) == _host() and not _alive(int(m.group(2))): res.append(p)
     return res
 
+def _first_row(v:Tensor)->Tensor|None:
+    "`v`'s first row (its value if 0-d), flat: rank 0 holds it, whole or sharded on dim 0 (FSDP2) on any processes"
+    if hasattr(v, 'to_local'):
+        if any(p.is_shard() and p.dim != 0 for p in v.placements): return None # another layout: rank 0 lacks it
+        v = v.to_local()
+    if v.dim() == 0: return v.reshape(1)
+    return v[0].reshape(-1) if v.shape[0] else None
+
 def weights_digest(model:nn.Module, # The model as the Learner holds it
                    n:int=64, # Values sampled from each tensor
                   )->str:
-    "A cheap sha256 of the weights: each tensor's name, dtype, shape, `n` first values, `n` spread (sharded: first)"
+    """A cheap sha256 of the weights: each tensor's name, dtype, shape and the first `n` values of its first row, the
+    same for a plain model and one sharded on any number of processes (read on rank 0, no collective)"""
     h = hashlib.sha256()
     for k,v in _plain(model).state_dict().items():
-        local = v.to_local() if hasattr(v, 'to_local') else v
-        t = local.detach().reshape(-1)
-        idx = torch.arange(min(n, t.numel()))
-        if local is v and t.numel() > n: idx = torch.cat([idx, torch.linspace(0, t.numel()-1, n).long()])
         h.update(f'{k}{v.dtype}{tuple(v.shape)}'.encode())
-        h.update(t[idx].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        row = _first_row(v)
+        if row is not None: h.update(row[:n].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 def _bcast(o):
