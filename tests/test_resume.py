@@ -3,16 +3,22 @@ with_opt=True)`) equals the uninterrupted fit, for each of the library's callbac
 state is restored too; without it the resumed epochs reshuffle differently, and the weights end measurably apart.
 `ResumeCheckpoint` does it all in one callback: the same script cut and started again equals the uninterrupted fit, for
 each callback and for a schedule cut in the middle of its ramp (across numbers of processes: `test_resume_anywhere.py`)."""
+
 import pytest, torch
 from fastai.basics import *
 from fastai.callback.tracker import SaveModelCallback
 from fastxtend_accum.all import *
 from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss, max_param_diff
 
-N_EPOCH,STOP = 4,2 # the first fit stops after epoch 1 (its checkpoints model_1, shuffle_1); the resumed fit starts at epoch 2
+N_EPOCH, STOP = (
+    4,
+    2,
+)  # the first fit stops after epoch 1 (its checkpoints model_1, shuffle_1); the resumed fit starts at epoch 2
+
 
 class SaveShuffle(Callback):
     "The docs' recipe: save the training loader's shuffle state (its own `random.Random`) beside each epoch's checkpoint"
+
     def after_epoch(self):
         dl = self.dls.train
         dl = getattr(dl, 'dl', dl) # fastai's `DistributedDL` shuffles with the loader it wraps
@@ -38,14 +44,19 @@ def learner(name, path):
 
 def fit(learn, **kwargs):
     with learn.no_logging(), learn.no_bar():
-        learn.fit_one_cycle(N_EPOCH, 1e-2, cbs=[SaveModelCallback(every_epoch=True, with_opt=True), SaveShuffle()], **kwargs)
+        learn.fit_one_cycle(
+            N_EPOCH, 1e-2, cbs=[SaveModelCallback(every_epoch=True, with_opt=True), SaveShuffle()], **kwargs
+        )
+
 
 def resume_diffs(name, path)->tuple:
     "Largest parameter difference from the uninterrupted fit of a fit resumed at epoch `STOP`: with the shuffle restored, and without"
     whole = learner(name, path/'whole'); fit(whole)
     first = learner(name, path/'cut')
     with first.no_logging(), first.no_bar():
-        first.fit_one_cycle(N_EPOCH, 1e-2, cbs=[SaveModelCallback(every_epoch=True, with_opt=True), SaveShuffle(), StopAfter(STOP-1)])
+        first.fit_one_cycle(
+            N_EPOCH, 1e-2, cbs=[SaveModelCallback(every_epoch=True, with_opt=True), SaveShuffle(), StopAfter(STOP - 1)]
+        )
     diffs = []
     for restore in (True, False):
         learn = learner(name, path/'cut') # a new session: the same loaders, built again, and the checkpoint
@@ -58,8 +69,10 @@ def resume_diffs(name, path)->tuple:
 @pytest.mark.parametrize('name', list(CALLBACKS))
 def test_resume_is_exact_with_the_shuffle_restored(name, tmp_path):
     exact,off = resume_diffs(name, tmp_path)
-    print(f'{name}: resumed at epoch {STOP} of {N_EPOCH}, max |param diff| from the uninterrupted fit: {exact:.2g} with the '
-          f"loader's shuffle state restored, {off:.2g} without")
+    print(
+        f'{name}: resumed at epoch {STOP} of {N_EPOCH}, max |param diff| from the uninterrupted fit: {exact:.2g} with the '
+        f"loader's shuffle state restored, {off:.2g} without"
+    )
     assert exact < 1e-12
     assert off > 1e-4 # the test has teeth: the same checkpoint, another shuffle
 
@@ -88,11 +101,17 @@ def test_resume_checkpoint_is_exact(name, tmp_path):
     resumed = script(tmp_path/'cut')
     n = len(resumed.steps.lrs)
     d = max_param_diff(whole, resumed)
-    print(f'{name}: ResumeCheckpoint, cut after epoch {STOP-1} and resumed, {n} steps: max |param diff| from the uninterrupted fit {d:.2g}')
-    assert [e for e,_ in resumed.steps.lrs] == [e for e,_ in whole.steps.lrs[-n:]] and {e for e,_ in resumed.steps.lrs} == {STOP, STOP+1}
+    print(
+        f'{name}: ResumeCheckpoint, cut after epoch {STOP - 1} and resumed, {n} steps: max |param diff| from the uninterrupted fit {d:.2g}'
+    )
+    assert [e for e, _ in resumed.steps.lrs] == [e for e, _ in whole.steps.lrs[-n:]] and {
+        e for e, _ in resumed.steps.lrs
+    } == {STOP, STOP + 1}
     assert max(abs(a[1]-b[1]) for a,b in zip(resumed.steps.lrs, whole.steps.lrs[-n:])) < 1e-12
     sizes = lambda l: l.recorder.hps.get('accum_bs') if hasattr(l.recorder, 'hps') else None
-    if 'Schedule' in name: # the sizes of the resumed windows: the uninterrupted fit's last ones (mid-ramp: still moving)
+    if (
+        'Schedule' in name
+    ):  # the sizes of the resumed windows: the uninterrupted fit's last ones (mid-ramp: still moving)
         s,w = sizes(resumed),sizes(whole)
         assert s == w[-len(s):] and ('mid-ramp' not in name or len(set(s)) > 2), (s, w)
     assert d < 1e-12

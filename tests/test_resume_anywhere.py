@@ -2,6 +2,7 @@
 where the uninterrupted run ends (float64, 1e-8), with the same lr at every resumed step; fastai's own recipe
 (`SaveModelCallback(with_opt=True)` and `start_epoch`), which does not restore the loader's shuffle, ends measurably apart.
 The worker is `resume_worker.py` (torchrun, gloo, CPU)."""
+
 import os, subprocess, sys
 import pytest, torch
 pytestmark = [pytest.mark.multiprocess]
@@ -11,9 +12,26 @@ WORKER = os.path.join(HERE, 'resume_worker.py')
 TIMEOUT = 240
 
 def run(out, tag, phase, world, stdout=None):
-    cmd = ([sys.executable] if world == 1 else [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={world}',
-           '--master_addr=127.0.0.1', f'--master_port={free_port()}']) + [WORKER, str(out), tag, phase]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT='120'), cwd=os.path.dirname(HERE))
+    cmd = (
+        [sys.executable]
+        if world == 1
+        else [
+            sys.executable,
+            '-m',
+            'torch.distributed.run',
+            f'--nproc_per_node={world}',
+            '--master_addr=127.0.0.1',
+            f'--master_port={free_port()}',
+        ]
+    ) + [WORKER, str(out), tag, phase]
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=dict(ENV, FXA_PG_TIMEOUT='120'),
+        cwd=os.path.dirname(HERE),
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     if stdout is not None: stdout.append(p.stdout)
     return torch.load(out/f'{tag}-{phase}-w{world}.pt')
@@ -36,8 +54,10 @@ def test_resume_on_another_number_of_processes(out, whole, before, after):
     d = max_diff(resumed, whole)
     n = len(resumed['lrs'])
     lr = max(abs(a[1]-b[1]) for a,b in zip(resumed['lrs'], whole['lrs'][-n:]))
-    print(f'cut after epoch 1 on {before} process(es), resumed on {after}: max |param diff| from the uninterrupted run {d:.3g}, '
-          f'max |lr diff| over the {n} resumed steps {lr:.2g}')
+    print(
+        f'cut after epoch 1 on {before} process(es), resumed on {after}: max |param diff| from the uninterrupted run {d:.3g}, '
+        f'max |lr diff| over the {n} resumed steps {lr:.2g}'
+    )
     assert [e for e,_ in resumed['lrs']] == [e for e,_ in whole['lrs'][-n:]] == [2]*15 + [3]*15 # epochs 2 and 3 only
     assert [e for e,_ in cut['lrs']] == [0]*15 + [1]*15
     assert d < 1e-8 and lr < 1e-12

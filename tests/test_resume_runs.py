@@ -3,7 +3,8 @@
 checkpoint records its run and a checksum, and resuming another run (accum_bs, optimizer, samples) stops before training
 with an error naming each difference; writes and reads that fail name the file and the cause (ENOSPC, EFBIG, truncated,
 corrupted, another version), and a killed write's temporary file is removed at the next start. Worker: `resume_runs_worker.py`."""
-import json, os, resource, signal, subprocess, sys, time, zipfile
+
+import json, os, subprocess, sys, time
 import pytest, torch
 from test_distributed import free_port, ENV, HERE
 
@@ -11,10 +12,27 @@ WORKER = os.path.join(HERE, 'resume_runs_worker.py')
 TIMEOUT = 240 # a hang fails the launch (the process group's timeout is 60 s)
 
 def run(out, tag, case, world=1, ok=True):
-    cmd = ([sys.executable] if world == 1 else [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={world}',
-           '--master_addr=127.0.0.1', f'--master_port={free_port()}']) + [WORKER, str(out), tag, case]
+    cmd = (
+        [sys.executable]
+        if world == 1
+        else [
+            sys.executable,
+            '-m',
+            'torch.distributed.run',
+            f'--nproc_per_node={world}',
+            '--master_addr=127.0.0.1',
+            f'--master_port={free_port()}',
+        ]
+    ) + [WORKER, str(out), tag, case]
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT='60'), cwd=os.path.dirname(HERE))
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=dict(ENV, FXA_PG_TIMEOUT='60'),
+        cwd=os.path.dirname(HERE),
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     res = [json.loads((out/f'{tag}-{case}-rank{r}.json').read_text()) for r in range(world)]
     for r in res: assert (r['error'] is None) == ok, r
@@ -30,8 +48,10 @@ def test_a_second_fit_trains_on_2_processes(out):
     _,plain,_,_ = run(out, 'plain', 'fits_plain')
     res,w,s,_ = run(out, 'fits2', 'fits', world=2)
     d = diff(w, plain)
-    print(f'fit(1); fit(1) with ResumeCheckpoint on 2 processes: steps {[r["steps"] for r in res]}, {s:.1f} s, max |param diff| '
-          f'from one process without it {d:.2g}')
+    print(
+        f'fit(1); fit(1) with ResumeCheckpoint on 2 processes: steps {[r["steps"] for r in res]}, {s:.1f} s, max |param diff| '
+        f'from one process without it {d:.2g}'
+    )
     assert all(r['steps'] == [15, 15] for r in res) and d < 1e-10
 
 def test_fine_tune_resumes_the_phase_it_was_cut_in(out):
@@ -41,14 +61,24 @@ def test_fine_tune_resumes_the_phase_it_was_cut_in(out):
         run(out, tag, cut, world=world, ok=False)
         res,w,s,stdout = run(out, tag, 'tune_resume', world=world)
         d = diff(w, whole)
-        print(f'fine_tune cut by {cut} on {world} process(es), resumed: steps per fit {res[0]["steps"]}, max |param diff| from the '
-              f'uninterrupted run {d:.2g}')
+        print(
+            f'fine_tune cut by {cut} on {world} process(es), resumed: steps per fit {res[0]["steps"]}, max |param diff| from the '
+            f'uninterrupted run {d:.2g}'
+        )
         assert all(r['steps'] == ([0, 15] if cut == 'tune_cut1' else [0, 30]) for r in res), res
         assert 'fit 0 of this run was completed before' in stdout and d < 1e-10
 
-@pytest.mark.parametrize('case,says', [('other_accum_bs', 'GradientAccumulation accum_bs: 64 in the checkpoint, 128 now'),
-    ('other_optimizer', 'optimizer: Adam [weight_decay, average_grad, average_sqr_grad, step_stat, adam_step] in the checkpoint, SGD'),
-    ('other_samples', 'training samples: 1000 in the checkpoint, 999 now')])
+@pytest.mark.parametrize(
+    'case,says',
+    [
+        ('other_accum_bs', 'GradientAccumulation accum_bs: 64 in the checkpoint, 128 now'),
+        (
+            'other_optimizer',
+            'optimizer: Adam [weight_decay, average_grad, average_sqr_grad, step_stat, adam_step] in the checkpoint, SGD',
+        ),
+        ('other_samples', 'training samples: 1000 in the checkpoint, 999 now'),
+    ],
+)
 def test_another_run_is_refused_before_training(out, case, says):
     if not (out/'cut1'/'models'/'run').exists(): run(out, 'cut1', 'tune_cut1', ok=False)
     import shutil
@@ -102,12 +132,15 @@ def test_writes_name_the_file_and_the_os_cause(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError) as e: atomic_save({'w': torch.zeros(100000)}, tmp_path/'ck.pth')
     assert 'No space left on device (ENOSPC)' in str(e.value) and not (tmp_path/'.ck.pth.planted.tmp').exists()
     monkeypatch.undo()
-    code = ("import resource, signal, sys; sys.path.insert(0, sys.argv[2]); from test_resume_runs import small_learner, "
-            "fit1; from pathlib import Path; learn = fit1(small_learner(Path(sys.argv[1]), 2000)); "
-            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (500000, 500000)); fit1(learn)") # a model of 1.2 MB
+    code = (
+        "import resource, signal, sys; sys.path.insert(0, sys.argv[2]); from test_resume_runs import small_learner, "
+        "fit1; from pathlib import Path; learn = fit1(small_learner(Path(sys.argv[1]), 2000)); "
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (500000, 500000)); fit1(learn)"
+    )  # a model of 1.2 MB
     folder = tmp_path/'big'/'models'/'run'
-    p = subprocess.run([sys.executable, '-c', code, str(tmp_path/'big'), HERE], capture_output=True, text=True, timeout=120,
-                       env=ENV)
+    p = subprocess.run(
+        [sys.executable, '-c', code, str(tmp_path / 'big'), HERE], capture_output=True, text=True, timeout=120, env=ENV
+    )
     print(p.stderr.splitlines()[-1])
     assert p.returncode != 0 and f'Could not write the checkpoint {folder}/fit-1-step-' in p.stderr
     assert 'File too large (EFBIG)' in p.stderr
@@ -132,7 +165,10 @@ def test_a_fit_that_raised_is_resumed_by_the_next_one_in_the_session(tmp_path):
     class FailOnce(Callback):
         def __init__(self): self.armed = True
         def before_batch(self):
-            if self.armed and self.training and self.epoch == 2 and self.iter == 3: self.armed = False; raise KeyboardInterrupt()
+            if self.armed and self.training and self.epoch == 2 and self.iter == 3:
+                self.armed = False
+                raise KeyboardInterrupt()
+
     def learner(path, *cbs):
         return Learner(digits_default_dls(16), digits_mlp(), loss_func=nn.CrossEntropyLoss(), path=path,
                        cbs=[Float64SmoothLoss(), GradientAccumulation(64), ResumeCheckpoint('run'), *cbs])
@@ -143,5 +179,7 @@ def test_a_fit_that_raised_is_resumed_by_the_next_one_in_the_session(tmp_path):
         with pytest.raises(KeyboardInterrupt): learn.fit_one_cycle(4, 1e-2)
         learn.fit_one_cycle(4, 1e-2)
     d = max_param_diff(whole, learn)
-    print(f'a fit interrupted in epoch 2 and run again in the same session: max |param diff| from the uninterrupted fit {d:.2g}')
+    print(
+        f'a fit interrupted in epoch 2 and run again in the same session: max |param diff| from the uninterrupted fit {d:.2g}'
+    )
     assert d < 1e-12
