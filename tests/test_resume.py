@@ -1,8 +1,9 @@
-"""Resuming a long run: a fit resumed with `start_epoch` from fastai's checkpoints (`SaveModelCallback(every_epoch=True,
-with_opt=True)`) equals the uninterrupted fit, for each of the library's callbacks, when the training loader's own shuffle
-state is restored too; without it the resumed epochs reshuffle differently, and the weights end measurably apart.
-`ResumeCheckpoint` does it all in one callback: the same script cut and started again equals the uninterrupted fit, for
-each callback and for a schedule cut in the middle of its ramp (across numbers of processes: `test_resume_anywhere.py`)."""
+"""Resuming a long run: a fit resumed with `start_epoch` from fastai's checkpoints
+(`SaveModelCallback(every_epoch=True, with_opt=True)`) equals the uninterrupted fit, for each of the library's
+callbacks, when the training loader's own shuffle state is restored too; without it the resumed epochs reshuffle
+differently, and the weights end measurably apart. `ResumeCheckpoint` does it all in one callback: the same script cut
+and started again equals the uninterrupted fit, for each callback and for a schedule cut in the middle of its ramp
+(across numbers of processes: `test_resume_anywhere.py`)."""
 
 import pytest, torch
 from fastai.basics import *
@@ -17,7 +18,7 @@ N_EPOCH, STOP = (
 
 
 class SaveShuffle(Callback):
-    "The docs' recipe: save the training loader's shuffle state (its own `random.Random`) beside each epoch's checkpoint"
+    "The docs' recipe: save the training loader's shuffle state (its own `random.Random`) beside each checkpoint"
 
     def after_epoch(self):
         dl = self.dls.train
@@ -37,7 +38,7 @@ CALLBACKS = {'GradientAccumulation': (16, lambda: GradientAccumulation(64)),
              'MicroBatching': (64, lambda: MicroBatching(16, verbose=False))}
 
 def learner(name, path):
-    "A float64 digits learner on fastai's default loaders, built the same way each time (a new session would rebuild it)"
+    "A float64 digits learner on fastai's default loaders, built the same way each time (as a new session would)"
     bs,cb = CALLBACKS[name]
     return Learner(digits_default_dls(bs), digits_mlp(), loss_func=nn.CrossEntropyLoss(), path=path,
                    cbs=[Float64SmoothLoss(), cb()])
@@ -50,7 +51,8 @@ def fit(learn, **kwargs):
 
 
 def resume_diffs(name, path)->tuple:
-    "Largest parameter difference from the uninterrupted fit of a fit resumed at epoch `STOP`: with the shuffle restored, and without"
+    """Largest parameter difference from the uninterrupted fit of a fit resumed at epoch `STOP`: with the shuffle
+    restored, and without"""
     whole = learner(name, path/'whole'); fit(whole)
     first = learner(name, path/'cut')
     with first.no_logging(), first.no_bar():
@@ -70,7 +72,8 @@ def resume_diffs(name, path)->tuple:
 def test_resume_is_exact_with_the_shuffle_restored(name, tmp_path):
     exact,off = resume_diffs(name, tmp_path)
     print(
-        f'{name}: resumed at epoch {STOP} of {N_EPOCH}, max |param diff| from the uninterrupted fit: {exact:.2g} with the '
+        f'{name}: resumed at epoch {STOP} of {N_EPOCH}, max |param diff| from the uninterrupted fit: {exact:.2g} '
+        'with the '
         f"loader's shuffle state restored, {off:.2g} without"
     )
     assert exact < 1e-12
@@ -88,7 +91,8 @@ RESUME_CALLBACKS = dict(CALLBACKS, **{'GradientAccumulationSchedule mid-ramp':
 @pytest.mark.parametrize('name', list(RESUME_CALLBACKS))
 def test_resume_checkpoint_is_exact(name, tmp_path):
     """`ResumeCheckpoint` (issue 24) on one process: the same script cut after epoch 1 and started again continues the
-    uninterrupted fit, for each callback; the schedule cut in the middle of its ramp takes up its size where it stopped"""
+    uninterrupted fit, for each callback; the schedule cut in the middle of its ramp takes up its size where it
+    stopped"""
     from fastxtend_accum.resume import ResumeCheckpoint
     bs,cb = RESUME_CALLBACKS[name]
     def script(path, *extra):
@@ -102,7 +106,8 @@ def test_resume_checkpoint_is_exact(name, tmp_path):
     n = len(resumed.steps.lrs)
     d = max_param_diff(whole, resumed)
     print(
-        f'{name}: ResumeCheckpoint, cut after epoch {STOP - 1} and resumed, {n} steps: max |param diff| from the uninterrupted fit {d:.2g}'
+        f'{name}: ResumeCheckpoint, cut after epoch {STOP - 1} and resumed, {n} steps: '
+        f'max |param diff| from the uninterrupted fit {d:.2g}'
     )
     assert [e for e, _ in resumed.steps.lrs] == [e for e, _ in whole.steps.lrs[-n:]] and {
         e for e, _ in resumed.steps.lrs

@@ -1,7 +1,7 @@
-"""Resume anywhere: a run cut after epoch 1 on 2 processes and resumed on 1 (and the reverse) by `ResumeCheckpoint` ends
-where the uninterrupted run ends (float64, 1e-8), with the same lr at every resumed step; fastai's own recipe
-(`SaveModelCallback(with_opt=True)` and `start_epoch`), which does not restore the loader's shuffle, ends measurably apart.
-The worker is `resume_worker.py` (torchrun, gloo, CPU)."""
+"""Resume anywhere: a run cut after epoch 1 on 2 processes and resumed on 1 (and the reverse) by `ResumeCheckpoint`
+ends where the uninterrupted run ends (float64, 1e-8), with the same lr at every resumed step; fastai's own recipe
+(`SaveModelCallback(with_opt=True)` and `start_epoch`), which does not restore the loader's shuffle, ends measurably
+apart. The worker is `resume_worker.py` (torchrun, gloo, CPU)."""
 
 import os, subprocess, sys
 import pytest, torch
@@ -55,7 +55,8 @@ def test_resume_on_another_number_of_processes(out, whole, before, after):
     n = len(resumed['lrs'])
     lr = max(abs(a[1]-b[1]) for a,b in zip(resumed['lrs'], whole['lrs'][-n:]))
     print(
-        f'cut after epoch 1 on {before} process(es), resumed on {after}: max |param diff| from the uninterrupted run {d:.3g}, '
+        f'cut after epoch 1 on {before} process(es), resumed on {after}: '
+        f'max |param diff| from the uninterrupted run {d:.3g}, '
         f'max |lr diff| over the {n} resumed steps {lr:.2g}'
     )
     assert [e for e,_ in resumed['lrs']] == [e for e,_ in whole['lrs'][-n:]] == [2]*15 + [3]*15 # epochs 2 and 3 only

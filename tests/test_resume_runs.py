@@ -1,8 +1,9 @@
-"""`ResumeCheckpoint` belongs to one run (issue 37): left on the Learner across fits it never skips a new fit's epochs, and
-`fine_tune` resumes the phase it was cut in, on 1 and 2 processes (rank 0 decides and tells the others: no hang); a
+"""`ResumeCheckpoint` belongs to one run (issue 37): left on the Learner across fits it never skips a new fit's epochs,
+and `fine_tune` resumes the phase it was cut in, on 1 and 2 processes (rank 0 decides and tells the others: no hang); a
 checkpoint records its run and a checksum, and resuming another run (accum_bs, optimizer, samples) stops before training
 with an error naming each difference; writes and reads that fail name the file and the cause (ENOSPC, EFBIG, truncated,
-corrupted, another version), and a killed write's temporary file is removed at the next start. Worker: `resume_runs_worker.py`."""
+corrupted, another version), and a killed write's temporary file is removed at the next start.
+Worker: `resume_runs_worker.py`."""
 
 import json, os, subprocess, sys, time
 import pytest, torch
@@ -49,20 +50,23 @@ def test_a_second_fit_trains_on_2_processes(out):
     res,w,s,_ = run(out, 'fits2', 'fits', world=2)
     d = diff(w, plain)
     print(
-        f'fit(1); fit(1) with ResumeCheckpoint on 2 processes: steps {[r["steps"] for r in res]}, {s:.1f} s, max |param diff| '
+        f'fit(1); fit(1) with ResumeCheckpoint on 2 processes: steps {[r["steps"] for r in res]}, {s:.1f} s, '
+        'max |param diff| '
         f'from one process without it {d:.2g}'
     )
     assert all(r['steps'] == [15, 15] for r in res) and d < 1e-10
 
 def test_fine_tune_resumes_the_phase_it_was_cut_in(out):
-    "`fine_tune(2, freeze_epochs=1)` cut in its second fit (2 processes) or after its first (1 process), and the script run again"
+    """`fine_tune(2, freeze_epochs=1)` cut in its second fit (2 processes) or after its first (1 process), and the
+    script run again"""
     _,whole,_,_ = run(out, 'whole', 'tune')
     for tag,cut,world in (('cut1', 'tune_cut1', 2), ('cut0', 'tune_cut0', 1)):
         run(out, tag, cut, world=world, ok=False)
         res,w,s,stdout = run(out, tag, 'tune_resume', world=world)
         d = diff(w, whole)
         print(
-            f'fine_tune cut by {cut} on {world} process(es), resumed: steps per fit {res[0]["steps"]}, max |param diff| from the '
+            f'fine_tune cut by {cut} on {world} process(es), resumed: steps per fit {res[0]["steps"]}, '
+            'max |param diff| from the '
             f'uninterrupted run {d:.2g}'
         )
         assert all(r['steps'] == ([0, 15] if cut == 'tune_cut1' else [0, 30]) for r in res), res
@@ -74,7 +78,8 @@ def test_fine_tune_resumes_the_phase_it_was_cut_in(out):
         ('other_accum_bs', 'GradientAccumulation accum_bs: 64 in the checkpoint, 128 now'),
         (
             'other_optimizer',
-            'optimizer: Adam [weight_decay, average_grad, average_sqr_grad, step_stat, adam_step] in the checkpoint, SGD',
+            'optimizer: Adam [weight_decay, average_grad, average_sqr_grad, step_stat, adam_step] '
+            'in the checkpoint, SGD',
         ),
         ('other_samples', 'training samples: 1000 in the checkpoint, 999 now'),
     ],
@@ -135,7 +140,8 @@ def test_writes_name_the_file_and_the_os_cause(tmp_path, monkeypatch):
     code = (
         "import resource, signal, sys; sys.path.insert(0, sys.argv[2]); from test_resume_runs import small_learner, "
         "fit1; from pathlib import Path; learn = fit1(small_learner(Path(sys.argv[1]), 2000)); "
-        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (500000, 500000)); fit1(learn)"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (500000, 500000)); fit1(learn)"
     )  # a model of 1.2 MB
     folder = tmp_path/'big'/'models'/'run'
     p = subprocess.run(
@@ -156,7 +162,8 @@ def test_a_killed_writes_temporary_folder_goes_at_the_next_start(tmp_path):
     assert not left.exists() and intact(tmp_path/'models'/'run')
 
 def test_a_fit_that_raised_is_resumed_by_the_next_one_in_the_session(tmp_path):
-    "In one session (a notebook): a fit that raised mid-epoch is the one the next fit resumes, exactly; a fit that ended is not"
+    """In one session (a notebook): a fit that raised mid-epoch is the one the next fit resumes, exactly; a fit that
+    ended is not"""
     from fastai.basics import Learner, nn, Callback
     import fastai.callback.schedule # noqa: F401 (fit_one_cycle: the library need not import it)
     from fastxtend_accum.all import GradientAccumulation
@@ -180,6 +187,7 @@ def test_a_fit_that_raised_is_resumed_by_the_next_one_in_the_session(tmp_path):
         learn.fit_one_cycle(4, 1e-2)
     d = max_param_diff(whole, learn)
     print(
-        f'a fit interrupted in epoch 2 and run again in the same session: max |param diff| from the uninterrupted fit {d:.2g}'
+        f'a fit interrupted in epoch 2 and run again in the same session: '
+        f'max |param diff| from the uninterrupted fit {d:.2g}'
     )
     assert d < 1e-12
