@@ -15,12 +15,14 @@ licenses = {
     'apache2': ('Apache Software License 2.0','OSI Approved :: Apache Software License'),
     'mit': ('MIT License', 'OSI Approved :: MIT License'),
 }
-statuses = [ '1 - Planning', '2 - Pre-Alpha', '3 - Alpha', '4 - Beta', '5 - Production/Stable', '6 - Mature', '7 - Inactive' ]
+statuses = [ '1 - Planning', '2 - Pre-Alpha', '3 - Alpha', '4 - Beta', '5 - Production/Stable', '6 - Mature',
+    '7 - Inactive' ]
 py_versions = '3.10 3.11 3.12 3.13'.split()
 
 requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
-# optional features: `distrib_ctx`/`sharded_ctx` need Accelerate (fastai.distributed); the W&B and TensorBoard loggers theirs
+# optional features: `distrib_ctx`/`sharded_ctx` need Accelerate (fastai.distributed); the W&B and TensorBoard loggers
+# theirs
 extras = {o: shlex.split(cfg.get(f'{o}_requirements', '')) for o in ('distributed', 'loggers')}
 extras['all'] = sorted({r for v in extras.values() for r in v})
 min_python = cfg['min_python']
@@ -33,7 +35,8 @@ setuptools.setup(
         'Development Status :: ' + statuses[int(cfg['status'])],
         'Intended Audience :: ' + cfg['audience'].title(),
         'Natural Language :: ' + cfg['language'].title(),
-    ] + ['Programming Language :: Python :: '+o for o in py_versions[py_versions.index(min_python):]] + (['License :: ' + lic[1] ] if lic[1] else []),
+    ] + ['Programming Language :: Python :: '+o for o in py_versions[py_versions.index(min_python):]]
+      + (['License :: ' + lic[1] ] if lic[1] else []),
     url = cfg['git_url'],
     packages = setuptools.find_packages(include=[cfg['lib_name'], cfg['lib_name']+'.*']),
     include_package_data = True,

@@ -13,7 +13,8 @@ def _free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
 def _watch(kind, port, ranks, world, q):
-    "One simulated node: a store client per rank; each watches as `kind` does; report (requests before the news, wake latency)"
+    ("One simulated node: a store client per rank; each watches as `kind` does; report (requests before the news, "
+     "wake latency)")
     import threading
     import torch.distributed as dist
     from fastxtend_accum import failfast as F

@@ -1,6 +1,6 @@
 """Print the figures behind the workflow tests (issue 9), measured on the runs `test_workflows.py` makes: the largest
-parameter difference from the large batch for every fit method, `fine_tune` and `lr_find` on real data. Not a test (pytest
-does not collect it): `PYTHONPATH=. .venv/bin/python tests/figures.py` from the repository's root."""
+parameter difference from the large batch for every fit method, `fine_tune` and `lr_find` on real data. Not a test
+(pytest does not collect it): `PYTHONPATH=. .venv/bin/python tests/figures.py` from the repository's root."""
 
 import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

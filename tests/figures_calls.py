@@ -26,5 +26,6 @@ def calls_per_micro_batch(kind:str)->float:
 if __name__ == '__main__':
     for kind in ('GradientAccumulation', 'MicroBatching'):
         print(
-            f'{kind}: {calls_per_micro_batch(kind):.1f} calls per training micro-batch (validation included in the total)'
+            f'{kind}: {calls_per_micro_batch(kind):.1f} calls per training micro-batch '
+            '(validation included in the total)'
         )

@@ -1,9 +1,11 @@
 """Issue 23's shape figures, for whichever fastxtend_accum is on PYTHONPATH (`PYTHONPATH=. .venv/bin/python
-tests/figures_shape.py`): `GradientAccumulation`'s attributes after a fit and the methods and properties of its class, and
-every fastai method replaced (kept by `fastai_method` as `_fastai_<name>`), by the library module that replaced it."""
+tests/figures_shape.py`): `GradientAccumulation`'s attributes after a fit and the methods and properties of its
+class, and every fastai method replaced (kept by `fastai_method` as `_fastai_<name>`), by the library module that
+replaced it."""
 
 import collections, gc, warnings
-import fastai.callback.wandb, fastai.callback.tensorboard # noqa: F401 (their replacements are made once they are imported)
+# their replacements are made once they are imported
+import fastai.callback.wandb, fastai.callback.tensorboard # noqa: F401
 from fastxtend_accum.all import *
 from fastxtend_accum.test_utils import digits_learner
 

@@ -1,5 +1,6 @@
 """The programs users write around a fit behave as with fastai alone: a Learner pickled from a callback mid-fit, a fit
-started inside an `except` block (a retry), W&B's config logged without touching fastai's module, a batch of 0 samples."""
+started inside an `except` block (a retry), W&B's config logged without touching fastai's module, a batch of 0
+samples."""
 
 import os, pickle
 import pytest

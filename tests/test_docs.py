@@ -74,7 +74,8 @@ def signature_lines(obj)->list[str]:
     return lines
 
 def own_signature(o)->bool:
-    "A function, or a class whose constructor this library defines (fastai's `Callback.__init__` is fastai's to document)"
+    ("A function, or a class whose constructor this library defines "
+     "(fastai's `Callback.__init__` is fastai's to document)")
     if not inspect.isclass(o): return callable(o)
     init = next((c.__dict__['__init__'] for c in o.__mro__ if '__init__' in c.__dict__), None)
     return init is object.__init__ or getattr(init, '__module__', '').startswith('fastxtend_accum')

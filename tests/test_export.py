@@ -99,7 +99,8 @@ def test_every_callback_attached(tmp_path):
     test_close(preds, expected, eps=1e-6)
 
 def test_fastai_export_needs_the_library(tmp_path):
-    "Control: pickled as itself (not as a plain Callback), the callback makes a file that fails to load where the library cannot be imported"
+    ("Control: pickled as itself (not as a plain Callback), the callback makes a file that fails to load where the "
+     "library cannot be imported")
     learn,rows = tabular([GradientAccumulation(64)])
     learn.path = tmp_path
     in_export,export_module.in_export = export_module.in_export,lambda: False

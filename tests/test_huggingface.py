@@ -1,7 +1,7 @@
-"""The Hugging Face recipe (nbs/examples.huggingface.ipynb) with transformers' own GPT2LMHeadModel, built from a config (no
-download): dict batches, labels of -100 on padding, `normalize_by='auto'`; accumulated micro-batches of 8 end with the
-weights of batches of 32 (float64, 1e-8), and counting samples instead does not. `transformers` is pinned in both lock
-files: this test runs in both environments, never skipped."""
+"""The Hugging Face recipe (nbs/examples.huggingface.ipynb) with transformers' own GPT2LMHeadModel, built from a config
+(no download): dict batches, labels of -100 on padding, `normalize_by='auto'`; accumulated micro-batches of 8 end
+with the weights of batches of 32 (float64, 1e-8), and counting samples instead does not. `transformers` is pinned in
+both lock files: this test runs in both environments, never skipped."""
 import json, os, sys
 from pathlib import Path
 import torch

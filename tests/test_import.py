@@ -1,6 +1,6 @@
 """Importing the library prints nothing (issue 27): `from fastxtend_accum.all import *` leaves fastai.distributed and
-Accelerate unimported (their import prints tqdm's "IProgress not found" in Jupyter), in a Jupyter kernel too. What importing
-leaves of fastai as it was is checked in `test_guest.py`."""
+Accelerate unimported (their import prints tqdm's "IProgress not found" in Jupyter), in a Jupyter kernel too. What
+importing leaves of fastai as it was is checked in `test_guest.py`."""
 
 import os, subprocess, sys, textwrap
 import pytest

@@ -1,11 +1,11 @@
 """Execute notebooks in place and keep their outputs (`make notebooks`), the way fastai's notebooks are committed.
 
-Each notebook runs top to bottom in a fresh IPython shell of its own (execnb's `CaptureShell`, the one `nbdev_test` uses),
-in its folder, with figures inline. Cells marked `#| eval: false` are not run. fastai's console progress bars draw
-frames with carriage returns; a stream output keeps what a terminal would show after them (the final table), so no
-frame is committed. The run fails, and writes nothing, when a cell raises or when any output holds a warning or
-anything on stderr: fix the cause (or, where a warning is expected and explained, catch it in the cell).
-Run `nbdev_clean` afterwards (the make target does) so the committed form is the clean one."""
+Each notebook runs top to bottom in a fresh IPython shell of its own (execnb's `CaptureShell`, the one `nbdev_test`
+uses), in its folder, with figures inline. Cells marked `#| eval: false` are not run. fastai's console progress bars
+draw frames with carriage returns; a stream output keeps what a terminal would show after them (the final table), so no
+frame is committed. The run fails, and writes nothing, when a cell raises or when any output holds a warning or anything
+on stderr: fix the cause (or, where a warning is expected and explained, catch it in the cell). Run `nbdev_clean`
+afterwards (the make target does) so the committed form is the clean one."""
 from __future__ import annotations
 import argparse, os, re, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
