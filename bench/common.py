@@ -1,4 +1,5 @@
-"""What the benchmarks share: the data, the models, a loader that slices tensors, the machine's description, result files"""
+("""What the benchmarks share: the data, the models, a loader that slices tensors, the machine's description, """
+ """result files""")
 
 from __future__ import annotations
 import json, os, platform, socket, statistics, subprocess, sys, time
@@ -92,8 +93,10 @@ def machine()->dict:
 def describe(info:dict)->str:
     gpu = f", GPU {info['gpu']}" if 'gpu' in info else ''
     return (
-        f"{info['cpu']}, {info.get('cores_available', info['cpu_count'])} cores available ({info['cpu_count']} in all){gpu}; "
-        f"torch {info['torch']} ({info['torch_threads']} thread(s)), fastai {info['fastai']}, fastcore {info['fastcore']}, "
+        f"{info['cpu']}, {info.get('cores_available', info['cpu_count'])} cores available ({info['cpu_count']} in "
+        f"all){gpu}; "
+        f"torch {info['torch']} ({info['torch_threads']} thread(s)), fastai {info['fastai']}, fastcore "
+        f"{info['fastcore']}, "
         f"Python {info['python']}; load average {info.get('load_avg')} at the start"
     )
 
@@ -103,8 +106,9 @@ def spread(xs)->dict:
     return dict(median=statistics.median(xs), min=min(xs), max=max(xs))
 
 def grouped_median_ci(groups, level=0.95, n=2000, seed=0)->list:
-    """A bootstrap interval of the median of all of `groups`' figures that resamples the groups, then the figures within each
-    (seeded): where the groups differ among themselves more than their figures do (one process each), the interval says so"""
+    """A bootstrap interval of the median of all of `groups`' figures that resamples the groups, then the figures within
+    each (seeded): where the groups differ among themselves more than their figures do (one process each), the interval
+    says so"""
     import random
     groups,rng = [list(g) for g in groups if len(g)],random.Random(seed)
     ms = sorted(
@@ -149,7 +153,8 @@ def free_port()->int:
         return s.getsockname()[1]
 
 def torchrun_worker(script:str, argv:list, threads:int, timeout:int=1800)->int:
-    "Run `script --worker *argv` on 2 processes under torchrun (no restarts, bounded by `timeout` seconds): its return code"
+    ("Run `script --worker *argv` on 2 processes under torchrun (no restarts, bounded by `timeout` seconds): its "
+     "return code")
     args = [a for a in argv if a != '--worker']
     cmd = [
         sys.executable,

@@ -1,15 +1,16 @@
-"""Distributed: time per optimizer step over 2 processes (torchrun, gloo, CPU), this library vs fastai's GradientAccumulation.
+"""Distributed: time per optimizer step over 2 processes (torchrun, gloo, CPU), this library vs fastai's \
+GradientAccumulation.
 
 Both variants train the same model (same start) on the same micro-batches under fastai's own distributed training
-(`learn.distrib_ctx()`: `DistributedTrainer`, `DistributedDL`), with the same `accum_bs` per process, so they take the same
-optimizer steps. fastai's `GradientAccumulation` lets DDP all-reduce the gradients in every micro-batch's backward; this
-library runs the window's other micro-batches in `no_sync` and all-reduces once per step (plus one all-reduce of three
-numbers: the window's counts and loss). A DDP communication hook counts the gradient all-reduces.
+(`learn.distrib_ctx()`: `DistributedTrainer`, `DistributedDL`), with the same `accum_bs` per process, so they take the
+same optimizer steps. fastai's `GradientAccumulation` lets DDP all-reduce the gradients in every micro-batch's backward;
+this library runs the window's other micro-batches in `no_sync` and all-reduces once per step (plus one all-reduce of
+three numbers: the window's counts and loss). A DDP communication hook counts the gradient all-reduces.
 
 The variants run interleaved (AB BA AB ...) after a warm-up round, each repetition timing a whole `fit(n_epoch)` on both
-processes (validation cancelled). Prints a table and a `RATIO` line (median over repetitions of the ratio measured side by
-side, with its min and max), the gradient all-reduces (backward passes that all-reduce, and DDP's bucket all-reduces: a
-model over 1 MiB is sent in more than one bucket), and writes `results/distributed.json` and `distributed.md`.
+processes (validation cancelled). Prints a table and a `RATIO` line (median over repetitions of the ratio measured side
+by side, with its min and max), the gradient all-reduces (backward passes that all-reduce, and DDP's bucket all-reduces:
+a model over 1 MiB is sent in more than one bucket), and writes `results/distributed.json` and `distributed.md`.
 
 Run: `python bench/distributed.py` (it starts torchrun itself; `--quick` for a smoke test)."""
 from __future__ import annotations
@@ -24,7 +25,8 @@ OURS = 'fastxtend_accum GradientAccumulation'
 VARIANTS = [FASTAI, OURS]
 
 def index_tensor_dl(x, y, bs:int):
-    "A fastai `DataLoader` over `(x, y)` that indexes the tensors with the sample indices it is given (so `DistributedDL` can split it)"
+    ("A fastai `DataLoader` over `(x, y)` that indexes the tensors with the sample indices it is given (so "
+     "`DistributedDL` can split it)")
     import torch
     from fastai.data.load import DataLoader
     class IndexTensorDL(DataLoader):
@@ -105,7 +107,8 @@ def report(res)->tuple[str,str]:
         f"training with {res['accelerate']}; MLP 64-{'-'.join([str(c['hidden'])] * c['layers'])}-10 "
         f"({res['n_params']:,} float32 parameters), {c['n_train']} digits samples ({c['n_train'] // 2} per process), "
         f"micro-batches of {c['micro_bs']}, accum_bs={c['accum_bs']} per process ({2 * c['accum_bs']} per step), SGD; "
-        f"{c['reps']} interleaved repetitions of fit({c['epochs']}) after a warm-up round: {res['steps']} optimizer steps "
+        f"{c['reps']} interleaved repetitions of fit({c['epochs']}) after a warm-up round: {res['steps']} optimizer "
+        f"steps "
         f"and {res['micro_batches_per_process']} micro-batches per process each."
     )
     headers = [
@@ -122,7 +125,8 @@ def report(res)->tuple[str,str]:
              r['syncs'], f"{r['syncs_per_step']:g}", r['bucket_all_reduces']] for v,r in res['variants'].items()]
     r = res['ratio']
     line = (
-        f"RATIO time per optimizer step: {OURS} / {FASTAI} = {r['median']:.3f}x [min {r['min']:.3f}, max {r['max']:.3f}] "
+        f"RATIO time per optimizer step: {OURS} / {FASTAI} = {r['median']:.3f}x [min {r['min']:.3f}, max "
+        f"{r['max']:.3f}] "
         f"(speed-up {1 / r['median']:.2f}x)"
     )
     check = f"check max |param diff| between the variants after training: {res['max_param_diff']:.2e} (float32)"

@@ -138,12 +138,14 @@ def set_mmap_threshold(n:int=MMAP_THRESHOLD)->bool:
 
 def preload():
     "Import what the children use, once, before forking them"
-    import torch, fastai.basics, fastai.callback.training, fastai.callback.progress, fastxtend_accum.callback.gradaccum  # noqa: F401 (imported for its side effects)
+    # imported for its side effects
+    import torch, fastai.basics, fastai.callback.training, fastai.callback.progress, fastxtend_accum.callback.gradaccum  # noqa: F401
     from sklearn.datasets import load_digits
     load_digits()
 
 def forked(specs:list[dict])->list[dict]:
-    "Run `child(spec)` for each spec in a process forked from this one (imports done once), all at once; collect results"
+    ("Run `child(spec)` for each spec in a process forked from this one (imports done once), all at once; collect "
+     "results")
     sys.stdout.flush(); sys.stderr.flush()
     started = []
     for spec in specs:
@@ -206,9 +208,11 @@ def report(res:dict)->tuple[str,str]:
     cfg = res['config']
     head = (
         f"Memory: one epoch over one batch of {cfg['batch']} digits samples (repeated), as 1 batch or as {cfg['k']} "
-        f"micro-batches of {cfg['batch'] // cfg['k']}, fastai's Adam; each variant {cfg['reps']} time(s), each time in a process "
+        f"micro-batches of {cfg['batch'] // cfg['k']}, fastai's Adam; each variant {cfg['reps']} time(s), each time "
+        f"in a process "
         f"of its own ({'forked after the imports' if cfg['launch'] == 'fork' else 'a fresh interpreter'}). "
-        f"'increase' = peak - baseline after setup; MB = 2^20 bytes; medians [min, max]; ratio spreads over all pairs of repetitions."
+        f"'increase' = peak - baseline after setup; MB = 2^20 bytes; medians [min, max]; ratio spreads over all pairs "
+        f"of repetitions."
     )
     text,md = [head, ''],[f"## Memory\n\n{head}\n\nMachine: {describe(res['machine'])}\n"]
     headers = ['variant', 'micro-batch', 'increase MB', 'peak MB', 'baseline MB', 'x micro increase']

@@ -1,15 +1,16 @@
-"""`MicroBatching` on a GPU: the micro-batch size 'auto' and 'fastest' choose, their peak memory and samples/s, against hand-picked sizes.
+"""`MicroBatching` on a GPU: the micro-batch size 'auto' and 'fastest' choose, their peak memory and samples/s, \
+against hand-picked sizes.
 
 The model is a transformer-style feed-forward block over sequences (`d -> d_ff -> d`, GELU, residual, mean-pool, linear
 head) on random data generated on the GPU, so that activations dominate memory. The process's GPU memory is capped at
-`--budget-gib` (`torch.cuda.set_per_process_memory_fraction`), so that the whole batch does not fit whatever the card, and
-the results do not depend on its size.
+`--budget-gib` (`torch.cuda.set_per_process_memory_fraction`), so that the whole batch does not fit whatever the card,
+and the results do not depend on its size.
 
-Each variant trains `--steps` optimizer steps on batches of `--bs` from the same start: hand-picked `MicroBatching(k)` for
-each size `k` in `--sizes` (a size that does not fit shows `OOM`), then `MicroBatching('auto')` and `MicroBatching('fastest')`.
-samples/s is taken over the last `--measure` steps (after the search of 'auto'/'fastest'), timed with `torch.cuda.synchronize`;
-peak memory is `torch.cuda.max_memory_allocated` over the run. All variants run in one process, one after the other, with
-`torch.cuda.empty_cache()` in between.
+Each variant trains `--steps` optimizer steps on batches of `--bs` from the same start: hand-picked `MicroBatching(k)`
+for each size `k` in `--sizes` (a size that does not fit shows `OOM`), then `MicroBatching('auto')` and
+`MicroBatching('fastest')`. samples/s is taken over the last `--measure` steps (after the search of 'auto'/'fastest'),
+timed with `torch.cuda.synchronize`; peak memory is `torch.cuda.max_memory_allocated` over the run. All variants run in
+one process, one after the other, with `torch.cuda.empty_cache()` in between.
 
 Without a GPU it prints a line and exits 0. `--simulate` runs the same code on the CPU with a tiny model and a simulated
 out-of-memory error above `--simulate` samples (no peak memory): a check of the script itself, not a benchmark.
@@ -63,7 +64,8 @@ def main(argv=None):
     sim = args.simulate is not None
     if not sim and not torch.cuda.is_available():
         print(
-            'microbatch_gpu: no CUDA GPU here: nothing to measure (run with --simulate N to check the script on the CPU)'
+            'microbatch_gpu: no CUDA GPU here: nothing to measure (run with --simulate N to check the script on the '
+            'CPU)'
         )
         return 0
     from fastai.basics import Learner, DataLoaders, Callback, CancelValidException, SGD
@@ -74,7 +76,8 @@ def main(argv=None):
     if sim: args.bs,args.seq,args.d,args.d_ff = min(args.bs, 64),8,16,32
 
     class RandomBatches(DataLoader):
-        "Batches of random sequences made on the device, the same for every variant (no host-to-device copy in the timings)"
+        ("Batches of random sequences made on the device, the same for every variant (no host-to-device copy in the "
+         "timings)")
 
         def create_batches(self, samps):
             g = torch.Generator(device=dev).manual_seed(0)
@@ -97,7 +100,8 @@ def main(argv=None):
             if self.training: self._sync(); self.times.append(time.perf_counter() - self.t0)
 
     def run(micro_bs):
-        "Train `args.steps` steps with `MicroBatching(micro_bs)`: (micro-batch size, peak bytes or None, samples/s) or None for OOM"
+        ("Train `args.steps` steps with `MicroBatching(micro_bs)`: (micro-batch size, peak bytes or None, samples/s) "
+         "or None for OOM")
         gc.collect()
         if dev.type == 'cuda': torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(0)
@@ -123,7 +127,8 @@ def main(argv=None):
         torch.cuda.set_per_process_memory_fraction(min(1., args.budget_gib*2**30/total))
         print(f"{torch.cuda.get_device_name(0)}, memory capped at {args.budget_gib:g} GiB of {total/2**30:.1f} GiB")
     print(
-        f"model: d={args.d}, d_ff={args.d_ff}, seq={args.seq}; batches of {args.bs}; {args.steps} steps, samples/s over the last "
+        f"model: d={args.d}, d_ff={args.d_ff}, seq={args.seq}; batches of {args.bs}; {args.steps} steps, samples/s "
+        f"over the last "
         f"{args.measure}; {'fp16 MixedPrecision' if args.amp else 'float32'}"
         + (f'; SIMULATED OOM above {args.simulate} (CPU)' if sim else '')
     )
@@ -134,7 +139,8 @@ def main(argv=None):
     for name,r in rows:
         if r is None: print(f"{name:<18}{'OOM':>9}"); continue
         print(
-            f"{name:<18}{r['micro_bs']:>9}{fmt(r['peak'] and r['peak'] / 2**20, '{:.0f}'):>10}{r['sps']:>12,.0f}{r['ooms']:>6}"
+            f"{name:<18}{r['micro_bs']:>9}{fmt(r['peak'] and r['peak'] / 2**20, '{:.0f}'):>10}"
+            f"{r['sps']:>12,.0f}{r['ooms']:>6}"
         )
     fast = rows[-1][1]
     if fast and fast['throughput']:
@@ -143,7 +149,8 @@ def main(argv=None):
     if fits and rows[-2][1] and fast:
         best = max(fits, key=lambda r: r['sps'])
         print(
-            f"RATIO auto/best-hand-picked samples/s = {rows[-2][1]['sps'] / best['sps']:.2f} (best hand-picked: {best['micro_bs']})"
+            f"RATIO auto/best-hand-picked samples/s = {rows[-2][1]['sps'] / best['sps']:.2f} (best hand-picked: "
+            f"{best['micro_bs']})"
         )
         print(f"RATIO fastest/best-hand-picked samples/s = {fast['sps']/best['sps']:.2f}")
     return 0

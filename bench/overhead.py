@@ -1,16 +1,17 @@
 """Overhead: the same training with no accumulation, fastai's `GradientAccumulation`, this library's, and PyTorch loops.
 
-Every variant trains the same model (same start), on the same micro-batches (digits, 1,500 samples, micro-batches of 32),
-with fastai's Adam (its default optimizer) and with SGD (the cheapest step there is). fastai's loop without accumulation
-steps once per micro-batch; the accumulating variants step once per `accum_bs` samples. `MicroBatching(fixed)` gets batches
-of `accum_bs` from its loader and splits them into the same micro-batches, so fastai's per-batch work (callbacks, Recorder,
-the loader's next batch) runs once per optimizer step instead of once per micro-batch. Two hand-written PyTorch loops do the
-same accumulation: one over the tensors, one over the same fastai loader the Learners use, so that the time fastai's
-`Learner` adds per batch (the loader's share taken out) is told apart from the time this library adds. The library's
-variants run with the default `normalize_by='auto'`, which counts what the models' `CrossEntropyLoss` averages over (its
-targets that are not -100, on the device); the same two with `normalize_by='samples'` show what that costs. The variants run interleaved
-(ABCDEF ABCDEF ...), after a warm-up round, with a fixed number of torch threads; each repetition times whole `fit(n_epoch)` calls (training only: validation is cancelled). The loader slices
-batches out of tensors, so that the loop, not item-by-item collation, is what is timed.
+Every variant trains the same model (same start), on the same micro-batches (digits, 1,500 samples, micro-batches of
+32), with fastai's Adam (its default optimizer) and with SGD (the cheapest step there is). fastai's loop without
+accumulation steps once per micro-batch; the accumulating variants step once per `accum_bs` samples.
+`MicroBatching(fixed)` gets batches of `accum_bs` from its loader and splits them into the same micro-batches, so
+fastai's per-batch work (callbacks, Recorder, the loader's next batch) runs once per optimizer step instead of once per
+micro-batch. Two hand-written PyTorch loops do the same accumulation: one over the tensors, one over the same fastai
+loader the Learners use, so that the time fastai's `Learner` adds per batch (the loader's share taken out) is told apart
+from the time this library adds. The library's variants run with the default `normalize_by='auto'`, which counts what
+the models' `CrossEntropyLoss` averages over (its targets that are not -100, on the device); the same two with
+`normalize_by='samples'` show what that costs. The variants run interleaved (ABCDEF ABCDEF ...), after a warm-up round,
+with a fixed number of torch threads; each repetition times whole `fit(n_epoch)` calls (training only: validation is
+cancelled). The loader slices batches out of tensors, so that the loop, not item-by-item collation, is what is timed.
 
 Importing fastxtend_accum changes nothing of fastai: what an accumulating fit takes over is installed on its Learner for
 that fit only (`patches`), so fastai's variants run fastai's code as it ships.
@@ -70,7 +71,8 @@ MODELS = {'mlp': ('MLP 64-128-128-10', lambda: mlp(128, 2), False),
 
 @contextmanager
 def fastai_as_shipped(names=None):
-    "fastai's own code where an accumulating fit's class would take it over: the event dispatch (`__call__`, `_call_one`), the item path (`all_batches`, `create_batches`); all if `names` is None"
+    ("fastai's own code where an accumulating fit's class would take it over: the event dispatch (`__call__`, "
+     "`_call_one`), the item path (`all_batches`, `create_batches`); all if `names` is None")
     parts, saved = (
         {'dispatch': {'__call__', '_call_one'}, 'items': {'all_batches', 'create_batches'}},
         os.environ.get('FXA_FASTAI_OWN'),
@@ -84,7 +86,8 @@ def fastai_as_shipped(names=None):
         else: os.environ['FXA_FASTAI_OWN'] = saved
 
 def torch_adam(params, lr):
-    "PyTorch's optimizer with fastai `Adam`'s arithmetic: betas (0.9,0.99), eps 1e-5, decoupled weight decay 0.01 except on biases"
+    ("PyTorch's optimizer with fastai `Adam`'s arithmetic: betas (0.9,0.99), eps 1e-5, decoupled weight decay 0.01 "
+     "except on biases")
     ps = list(params)
     groups = [dict(params=[p for p in ps if p.ndim > 1]), dict(params=[p for p in ps if p.ndim <= 1], weight_decay=0.)]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9,0.99), eps=1e-5, weight_decay=0.01)
@@ -244,7 +247,8 @@ def ratio_line(key, r)->str:
     w = r['wall']
     return (
         f"RATIO {key}: {r['variant']} / {r['reference']} = {r['median']:.3f}x CPU time "
-        f"[min {r['min']:.3f}, max {r['max']:.3f}] (best-of {r['best_of']:.3f}x; {r['extra_us_per_micro_batch']:+.0f} us "
+        f"[min {r['min']:.3f}, max {r['max']:.3f}] (best-of {r['best_of']:.3f}x; {r['extra_us_per_micro_batch']:+.0f} "
+        f"us "
         f"per micro-batch; wall {w['median']:.3f}x [{w['min']:.3f}, {w['max']:.3f}]){t}"
     )
 
@@ -258,8 +262,10 @@ def report(res:dict)->tuple[str,str]:
         f"on a shared machine it leaves out the time other jobs hold the cores, and a training loop on one thread does "
         f"not wait for anything else. Medians [min, max] over repetitions; ratios are medians [min, max] of the "
         f"per-repetition ratios (best-of: fastest over fastest); targets are judged on the CPU-time median. "
-        f"'Where the time goes' takes the time per micro-batch apart: the fastai loader (the PyTorch loop over it minus "
-        f"the one over the tensors), fastai's Learner (fastai's GradientAccumulation minus the PyTorch loop over the same "
+        f"'Where the time goes' takes the time per micro-batch apart: the fastai loader (the PyTorch loop over it "
+        f"minus "
+        f"the one over the tensors), fastai's Learner (fastai's GradientAccumulation minus the PyTorch loop over the "
+        f"same "
         f"loader), this library on top of fastai's own accumulation, and MicroBatching(fixed), which runs fastai's "
         f"per-batch work once per step."
     )

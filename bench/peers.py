@@ -2,36 +2,37 @@
 
 The ways to train: a hand-written PyTorch accumulation loop (the floor), Accelerate's `accumulate()`, Lightning's
 `accumulate_grad_batches`, fastai's own `GradientAccumulation`, fastxtend 0.1.7's, fastai without accumulation, and this
-library's `GradientAccumulation` ('auto' and 'samples'), `GradientAccumulationSchedule` (from 128 to 128: the same windows)
-and `MicroBatching(32)` on batches of 128. Lightning and fastxtend are optional: `make bench` runs this script in
-`.venv-bench`, where they are installed; a peer that does not import is listed as skipped, with the reason.
+library's `GradientAccumulation` ('auto' and 'samples'), `GradientAccumulationSchedule` (from 128 to 128: the same
+windows) and `MicroBatching(32)` on batches of 128. Lightning and fastxtend are optional: `make bench` runs this script
+in `.venv-bench`, where they are installed; a peer that does not import is listed as skipped, with the reason.
 
-Setup (issue 26): CPU, 1 thread, scikit-learn's digits repeated to 3,200 samples, MLP 64-128-128-10, Adam, micro-batches of
-32, 128 samples per optimizer step (25 steps an epoch), training only. Every peer draws its micro-batches from its own
-framework's loader over the same list of samples (PyTorch's `DataLoader`, or fastai's with `num_workers=0`), shuffled.
-The PyTorch, Accelerate and Lightning loops use PyTorch's `AdamW` with fastai `Adam`'s arithmetic; the fastai rows use
-fastai's `Adam` (what each framework's users get). Four measures:
+Setup (issue 26): CPU, 1 thread, scikit-learn's digits repeated to 3,200 samples, MLP 64-128-128-10, Adam, micro-batches
+of 32, 128 samples per optimizer step (25 steps an epoch), training only. Every peer draws its micro-batches from its
+own framework's loader over the same list of samples (PyTorch's `DataLoader`, or fastai's with `num_workers=0`),
+shuffled. The PyTorch, Accelerate and Lightning loops use PyTorch's `AdamW` with fastai `Adam`'s arithmetic; the fastai
+rows use fastai's `Adam` (what each framework's users get). Four measures:
 
 1. **Time**: CPU time of the training epochs (setup left out: Lightning builds a `Trainer` per fit) per micro-batch, the
    peers interleaved (ABC.. ..CBA: the order reversed every other repetition) after a warm-up round; the ratio to the
    PyTorch loop of the same repetition, median [min, max]. The targets are judged on further repetitions of their rows
-   alone, shared among 5 fresh processes (a process's median ratio moves from one process to the next), the rows in a new
-   random order at each repetition, with an A/A row ('samples' against a second row of it) that shows the noise.
+   alone, shared among 5 fresh processes (a process's median ratio moves from one process to the next), the rows in a
+   new random order at each repetition, with an A/A row ('samples' against a second row of it) that shows the noise.
 2. **Host syncs per optimizer step** (`syncs.SyncCounter`: `.item()`, `bool()`, `.cpu()`, `.tolist()`... of tensors that
    would be on the GPU; the loaders' host work and `torch.optim`'s host step counts left out), over one epoch, with the
    logging each peer does by default, and the variants that change it.
    **ATen ops per micro-batch** (`--parts ops`): every op of a 1-epoch fit, 'auto' against 'samples' (load-independent).
 3. **Exactness**: each peer in float64 under a one-cycle schedule against the large batch of its own framework (fastai's
-   `fit_one_cycle` with batches of 128 for the fastai rows; PyTorch's `OneCycleLR` stepped per optimizer step with batches
-   of 128 for the PyTorch and Accelerate loops, and in Lightning without accumulation for Lightning): the largest parameter difference after 2 epochs, and whether
-   the learning rates the optimizer received match.
+   `fit_one_cycle` with batches of 128 for the fastai rows; PyTorch's `OneCycleLR` stepped per optimizer step with
+   batches of 128 for the PyTorch and Accelerate loops, and in Lightning without accumulation for Lightning): the
+   largest parameter difference after 2 epochs, and whether the learning rates the optimizer received match.
 4. **Peak memory**: each peer in a forked process of its own, one epoch of one step (4 micro-batches of 256) with an MLP
-   64-4096-10 whose activations dominate; the increase of the resident set (`VmHWM` reset after a warm-up epoch) over the
-   resident set before the epoch, against the PyTorch loop without accumulation on batches of 256.
+   64-4096-10 whose activations dominate; the increase of the resident set (`VmHWM` reset after a warm-up epoch) over
+   the resident set before the epoch, against the PyTorch loop without accumulation on batches of 256.
 
-On a GPU (`--device cuda`): the same peers, each on its own loader moving the batches to the GPU, timed in wall time with the
-GPU synchronized at each epoch's end (the host's time per micro-batch, the waits included), and the syncs counted twice: as
-above, and as CUDA itself reports them (`torch.cuda.set_sync_debug_mode('warn')`). Time, syncs and exactness only.
+On a GPU (`--device cuda`): the same peers, each on its own loader moving the batches to the GPU, timed in wall time
+with the GPU synchronized at each epoch's end (the host's time per micro-batch, the waits included), and the syncs
+counted twice: as above, and as CUDA itself reports them (`torch.cuda.set_sync_debug_mode('warn')`). Time, syncs and
+exactness only.
 
     python bench/peers.py --device cuda --reps 21 --name peers_gpu
 
@@ -194,7 +195,8 @@ def versions()->dict:
 DEVICE = 'cpu' # where the models train (`--device`): every peer's own loader moves each batch there, as its users' does
 
 class Setup:
-    "What every peer shares: the samples, the model's start, the sizes, the dtype, the schedule, the device and its clock"
+    ("What every peer shares: the samples, the model's start, the sizes, the dtype, the schedule, the device and its "
+     "clock")
 
     def __init__(self, n=N_TRAIN, hidden=128, n_layers=2, micro_bs=MICRO_BS, accum_bs=ACCUM_BS, dtype=torch.float32,
                  lr=1e-3, one_cycle=False, n_epoch=2, device=None):
@@ -210,7 +212,8 @@ class Setup:
         m.load_state_dict(self.init)
         return m.to(self.device)
     def clock(self)->float:
-        "Seconds: the process's CPU time on the CPU; on a GPU, wall time once the GPU has done what it was given (its throughput)"
+        ("Seconds: the process's CPU time on the CPU; on a GPU, wall time once the GPU has done what it was given "
+         "(its throughput)")
         if not self.cuda: return time.process_time()
         # not while syncs are counted: the clock's own is not the peer's
         if self.sync_clock: torch.cuda.synchronize(self.device)
@@ -224,7 +227,8 @@ class Setup:
     def steps_per_epoch(self): return len(self.samples)//self.accum_bs
 
 class Run:
-    "One peer, built once: `fit()` trains `n_epoch` epochs from the same start and returns the CPU seconds of its epochs"
+    ("One peer, built once: `fit()` trains `n_epoch` epochs from the same start and returns the CPU seconds of its "
+     "epochs")
 
     model,counter = None,None
     def lrs(self)->list[float]: return [] # the learning rate of each optimizer step of the last fit
@@ -273,7 +277,8 @@ class TensorBatches:
         for i in range(0, len(idx) - len(idx)%self.bs, self.bs): yield self.x[idx[i:i+self.bs]],self.y[idx[i:i+self.bs]]
 
 class AccelerateLoop(Run):
-    "Accelerate's documented loop: `with accelerator.accumulate(model)`, `accelerator.backward(loss)`, step and zero_grad every time"
+    ("Accelerate's documented loop: `with accelerator.accumulate(model)`, `accelerator.backward(loss)`, step and "
+     "zero_grad every time")
 
     _accelerator = None
     def __init__(self, s:Setup):
@@ -320,7 +325,8 @@ class AccelerateLoop(Run):
     def pause_in_loader(self, counter): self.counter = counter # Accelerate's loader refuses a new class
 
 class LightningLoop(Run):
-    "A `LightningModule` over the model; a `Trainer` per fit with `accumulate_grad_batches`, no logger, bar or checkpoint"
+    ("A `LightningModule` over the model; a `Trainer` per fit with `accumulate_grad_batches`, no logger, bar or "
+     "checkpoint")
 
     def __init__(self, s:Setup, log=False, accumulate=K, bs=None):
         import logging, lightning as L
@@ -512,12 +518,12 @@ def build(names, s:Setup, skipped:dict)->dict:
 # --- 1. time ---
 
 def judged_fits(reps:int, n_epoch:int, instances:int=3, seed:int=0)->dict:
-    """The targets' rows (and the A/A control's) alone, in this process: `reps` repetitions, the rows in a new random order in
-    each (no row always first, or always after the same one), each row in `instances` copies built alike and taken in turn;
-    {row: [CPU s of each fit]}. The copies are built in a random order too, seeded per process, so that no row is built at
-    the same point in every process: where every process built them in one order, MicroBatching 'auto' came out 1.04-1.10x
-    'samples' in each of 5 processes, for 1% more Python calls and 0.06 more ATen ops a micro-batch, while focused runs put
-    single copies of either anywhere from 0.95 to 1.09x another"""
+    """The targets' rows (and the A/A control's) alone, in this process: `reps` repetitions, the rows in a new random
+    order in each (no row always first, or always after the same one), each row in `instances` copies built alike and
+    taken in turn; {row: [CPU s of each fit]}. The copies are built in a random order too, seeded per process, so that
+    no row is built at the same point in every process: where every process built them in one order, MicroBatching
+    'auto' came out 1.04-1.10x 'samples' in each of 5 processes, for 1% more Python calls and 0.06 more ATen ops a
+    micro-batch, while focused runs put single copies of either anywhere from 0.95 to 1.09x another"""
     import random
     s,skipped,rng = Setup(n_epoch=n_epoch),{},random.Random(seed)
     names = list(dict.fromkeys(n for pair in TARGETS + CONTROLS for n in pair))
@@ -538,7 +544,8 @@ def judged_fits(reps:int, n_epoch:int, instances:int=3, seed:int=0)->dict:
     return out
 
 def judged_in_processes(reps:int, n_epoch:int, procs:int, instances:int=3, timeout:int=1800)->list[dict]:
-    "`judged_fits` in `procs` fresh processes, one after the other, `reps` repetitions in all: each process's {row: [CPU s]}"
+    ("`judged_fits` in `procs` fresh processes, one after the other, `reps` repetitions in all: each process's {row: "
+     "[CPU s]}")
     import subprocess, tempfile
     per,groups = -(-reps//procs),[]
     with tempfile.TemporaryDirectory() as d:
@@ -630,8 +637,9 @@ def bench_time(reps, n_epoch, skipped, judged_reps=0, judged_procs=5, instances=
 # --- 2. host syncs ---
 
 def bench_syncs(skipped)->dict:
-    """Syncs of a fit of 1 epoch and of 2 epochs: what the second epoch adds, over its optimizer steps, is the count per step
-    (an epoch's own syncs spread over its steps); what is left of the first fit is the count per fit (setup, teardown)"""
+    """Syncs of a fit of 1 epoch and of 2 epochs: what the second epoch adds, over its optimizer steps, is the count per
+    step (an epoch's own syncs spread over its steps); what is left of the first fit is the count per fit (setup,
+    teardown)"""
     from syncs import SyncCounter
     s = Setup(n_epoch=1)
     s.sync_clock = False
@@ -666,7 +674,8 @@ def bench_syncs(skipped)->dict:
 OPS_PAIRS = [(GA_AUTO, GA_SAMPLES), (GA_TOKENS, GA_SAMPLES), (SCHED, SCHED_SAMPLES), (MICRO, MICRO_SAMPLES)]
 
 def bench_ops(skipped)->dict:
-    "ATen ops of a 1-epoch fit (after a warm-up fit), per micro-batch, counted with a `TorchDispatchMode`: 'auto' against 'samples'"
+    ("ATen ops of a 1-epoch fit (after a warm-up fit), per micro-batch, counted with a `TorchDispatchMode`: 'auto' "
+     "against 'samples'")
     from collections import Counter
     from torch.utils._python_dispatch import TorchDispatchMode
     class Ops(TorchDispatchMode):
@@ -707,9 +716,10 @@ CALLED = [
 ]
 
 def bench_calls(skipped)->dict:
-    """Python function calls (and calls of builtins from Python) that a second epoch adds to a fit, per micro-batch (`sys.setprofile`):
-    the host's work of each way to train, counted rather than timed. A call is no unit of time (a matmul's call and an
-    attribute lookup's count alike), but what the library removes from a micro-batch shows here, whatever the load"""
+    """Python function calls (and calls of builtins from Python) that a second epoch adds to a fit, per micro-batch
+    (`sys.setprofile`): the host's work of each way to train, counted rather than timed. A call is no unit of time (a
+    matmul's call and an attribute lookup's count alike), but what the library removes from a micro-batch shows here,
+    whatever the load"""
     s = Setup(n_epoch=1)
     runs = build(CALLED, s, skipped)
     n_mb,res = len(s.samples)//s.micro_bs,{}
@@ -851,15 +861,18 @@ def report(res:dict)->tuple[str,str]:
     gpu = cfg.get('device', 'cpu') != 'cpu'
     where = f"GPU ({cfg.get('gpu')}), 1 CPU thread" if gpu else f"CPU, {cfg['threads']} thread"
     clock = (
-        "times are wall time, the GPU synchronized at each epoch's end (the host's time per micro-batch, waits included), "
+        "times are wall time, the GPU synchronized at each epoch's end (the host's time per micro-batch, waits "
+        "included), "
         if gpu
         else "times are CPU time, "
     )
     head = (
         f"Peers: {where}, digits repeated to {N_TRAIN} samples, MLP 64-128-128-10, Adam, micro-batches of "
         f"{MICRO_BS}, {ACCUM_BS} samples per optimizer step; every peer on its own framework's loader (fastai's with "
-        f"num_workers=0). Versions: {', '.join(f'{k} {v}' for k, v in res['versions'].items())}. The machine was shared "
-        f"with other jobs (load average {res['machine'].get('load_avg')} at the start, {res.get('load_end')} at the end): "
+        f"num_workers=0). Versions: {', '.join(f'{k} {v}' for k, v in res['versions'].items())}. The machine was "
+        f"shared "
+        f"with other jobs (load average {res['machine'].get('load_avg')} at the start, {res.get('load_end')} at the "
+        f"end): "
         f"{clock}ratios measured side by side in each repetition."
     )
     out = [head, '']
@@ -870,7 +883,8 @@ def report(res:dict)->tuple[str,str]:
             for k, v in sorted(t['rows'].items(), key=lambda kv: kv[1]['x_torch_loop']['median'])
         ]
         title = (
-            f"### Time: {'wall' if gpu else 'CPU'} us per micro-batch, {t['reps']} interleaved repetitions of {t['n_epoch']} epochs ({t['micro_batches']} "
+            f"### Time: {'wall' if gpu else 'CPU'} us per micro-batch, {t['reps']} interleaved repetitions of "
+            f"{t['n_epoch']} epochs ({t['micro_batches']} "
             "micro-batches), median [min, max]"
         )
         out += [
@@ -899,26 +913,41 @@ def report(res:dict)->tuple[str,str]:
                 for r in t['targets']
             ]
             out += [
-                f"Targets (issue 26): this library's callback at or below the peer's ratio to the PyTorch loop, i.e. its {'wall' if gpu else 'CPU'} time "
-                "over the peer's, measured side by side in each repetition, at most 1 ('auto' at most 1.02x 'samples'). The rows "
-                "\"fastai's event dispatch\" are the library's callback with fastai's own `Learner.__call__`/`_call_one` put "
-                "back, to show what the library's exact dispatch (`patches`) saves; \"fastai's per-item and per-batch loader calls\" puts back "
-                "fastai's own `Learner.all_batches`/`DataLoader.create_batches`, to show what taking the training items as "
-                "the dataset holds them, and their batches as collated, saves (the same batches); 'OptimWrapper(torch AdamW)' shows what "
-                "fastai's `Adam` costs against the PyTorch optimizer the other loops use; \"on PyTorch's DataLoader\" shows the "
-                "library's callbacks on the loader the PyTorch, Accelerate and Lightning loops use (fastai's `Learner` takes it "
+                f"Targets (issue 26): this library's callback at or below the peer's ratio to the PyTorch loop, i.e. "
+                f"its {'wall' if gpu else 'CPU'} time "
+                "over the peer's, measured side by side in each repetition, at most 1 ('auto' at most 1.02x "
+                "'samples'). The rows "
+                "\"fastai's event dispatch\" are the library's callback with fastai's own "
+                "`Learner.__call__`/`_call_one` put "
+                "back, to show what the library's exact dispatch (`patches`) saves; \"fastai's per-item and per-batch "
+                "loader calls\" puts back "
+                "fastai's own `Learner.all_batches`/`DataLoader.create_batches`, to show what taking the training "
+                "items as "
+                "the dataset holds them, and their batches as collated, saves (the same batches); 'OptimWrapper(torch "
+                "AdamW)' shows what "
+                "fastai's `Adam` costs against the PyTorch optimizer the other loops use; \"on PyTorch's DataLoader\" "
+                "shows the "
+                "library's callbacks on the loader the PyTorch, Accelerate and Lightning loops use (fastai's "
+                "`Learner` takes it "
                 "as it is): what of the gap to them is fastai's loader.",
                 '',
-                "The median's 95% interval is a bootstrap of the repetitions' ratios (the processes resampled, then the "
-                "repetitions within each): 'met' where the median meets the target, and 'beyond noise' where the whole interval "
+                "The median's 95% interval is a bootstrap of the repetitions' ratios (the processes resampled, then "
+                "the "
+                "repetitions within each): 'met' where the median meets the target, and 'beyond noise' where the "
+                "whole interval "
                 "does. "
                 + (
                     f"The targets are judged on {t['judged_reps']} further repetitions of their rows alone, in "
-                    f"{t.get('judged_procs', 1)} fresh process{'es' if t.get('judged_procs', 1) != 1 else ''} one after the other (a process's median moves from one process to "
-                    "the next more than the repetitions within one say: 'process medians' gives the lowest and highest), each row "
-                    f"in {t.get('instances', 1)} copies built alike and taken in turn, in a new random order at each repetition; "
-                    "the rows not judged, on the table's. The A/A row is 'samples' against a second row of it, judged with the "
-                    "targets: two identical rows differ by that much here, which a target's ratio is to be read against."
+                    f"{t.get('judged_procs', 1)} fresh process{'es' if t.get('judged_procs', 1) != 1 else ''} one "
+                    f"after the other (a process's median moves from one process to "
+                    "the next more than the repetitions within one say: 'process medians' gives the lowest and "
+                    "highest), each row "
+                    f"in {t.get('instances', 1)} copies built alike and taken in turn, in a new random order at each "
+                    f"repetition; "
+                    "the rows not judged, on the table's. The A/A row is 'samples' against a second row of it, judged "
+                    "with the "
+                    "targets: two identical rows differ by that much here, which a target's ratio is to be read "
+                    "against."
                     if t.get('judged_reps')
                     else ''
                 ),
@@ -958,7 +987,8 @@ def report(res:dict)->tuple[str,str]:
         ]
         cuda_cols = ['CUDA: per step', 'CUDA: per fit', 'CUDA: where'] if gpu else []
         cuda_text = (
-            " On the GPU, the last three columns are what CUDA itself reported (`torch.cuda.set_sync_debug_mode('warn')`, "
+            " On the GPU, the last three columns are what CUDA itself reported "
+            "(`torch.cuda.set_sync_debug_mode('warn')`, "
             "the loaders' work left out alike), a check of the first ones."
             if gpu
             else ''
@@ -966,10 +996,14 @@ def report(res:dict)->tuple[str,str]:
         out += [
             "### Host syncs per optimizer step",
             '',
-            "What a fit of 2 epochs makes beyond a fit of 1 epoch, over that epoch's 25 optimizer steps (100 micro-batches): "
-            "an epoch's own syncs (its records) are spread over its steps; 'per fit' is what the 1-epoch fit made beyond its "
-            "epoch (setup, teardown). `.item()`, `bool()`, `.cpu()`, `.tolist()`, `.numpy()` of tensors that would be on the "
-            "GPU (`bench/syncs.py`); the loaders' work and `torch.optim`'s host step counts are left out. Where: the most "
+            "What a fit of 2 epochs makes beyond a fit of 1 epoch, over that epoch's 25 optimizer steps (100 "
+            "micro-batches): "
+            "an epoch's own syncs (its records) are spread over its steps; 'per fit' is what the 1-epoch fit made "
+            "beyond its "
+            "epoch (setup, teardown). `.item()`, `bool()`, `.cpu()`, `.tolist()`, `.numpy()` of tensors that would be "
+            "on the "
+            "GPU (`bench/syncs.py`); the loaders' work and `torch.optim`'s host step counts are left out. Where: the "
+            "most "
             "frequent sites in the 2-epoch fit." + cuda_text,
             '',
             md_table(
@@ -986,12 +1020,17 @@ def report(res:dict)->tuple[str,str]:
         out += [
             "### ATen ops per micro-batch: 'auto' against 'samples'",
             '',
-            "Every ATen op of a 1-epoch fit (forward, loss, backward, optimizer, the library's bookkeeping), counted with a "
+            "Every ATen op of a 1-epoch fit (forward, loss, backward, optimizer, the library's bookkeeping), counted "
+            "with a "
             "`TorchDispatchMode` and divided by the micro-batches: what 'auto' runs beyond 'samples'. The training set "
-            "here is a list of samples whose targets 'auto' reads once, none of them -100 (`ClassTargetCount`): it weighs "
-            "the micro-batches by their samples, as 'samples' does, plus the fit's first look at a micro-batch's loss and "
-            "each epoch's check of the losses' counts. `normalize_by=TokenCount()` counts the same targets on the device "
-            "in every micro-batch (and weighs the loss by them, adds the window's counts and scales the step), as 'auto' "
+            "here is a list of samples whose targets 'auto' reads once, none of them -100 (`ClassTargetCount`): it "
+            "weighs "
+            "the micro-batches by their samples, as 'samples' does, plus the fit's first look at a micro-batch's loss "
+            "and "
+            "each epoch's check of the losses' counts. `normalize_by=TokenCount()` counts the same targets on the "
+            "device "
+            "in every micro-batch (and weighs the loss by them, adds the window's counts and scales the step), as "
+            "'auto' "
             "did before it read the training set. Unlike a time, it does not depend on the machine's load.",
             '',
             md_table(['callbacks (A / B)', 'A', 'B', 'A - B', 'A - B, by op, per micro-batch'], rows),
@@ -1007,8 +1046,10 @@ def report(res:dict)->tuple[str,str]:
         out += [
             "### Python calls per micro-batch",
             '',
-            "The Python function calls (and calls of builtins from Python) that a fit's second epoch adds, per micro-batch "
-            "(`sys.setprofile`): the host's work counted rather than timed, so that it does not depend on the machine's load. "
+            "The Python function calls (and calls of builtins from Python) that a fit's second epoch adds, per "
+            "micro-batch "
+            "(`sys.setprofile`): the host's work counted rather than timed, so that it does not depend on the "
+            "machine's load. "
             "A call is no unit of time: this shows what each way to train asks of the interpreter, not what it costs.",
             '',
             md_table(['way to train', 'calls / micro-batch', 'x PyTorch loop'], rows),
@@ -1021,7 +1062,8 @@ def report(res:dict)->tuple[str,str]:
         rows = [[k, v.get('reference', '-'), f"{v['max_param_diff']:.1e}" if 'max_param_diff' in v else v.get('error'),
                  v.get('lrs', '-')] for k,v in ex['rows'].items()]
         out += [
-            f"### Exactness: float64, a one-cycle schedule (lr_max {ex['lr']}), {ex['n_epoch']} epochs, against the large batch of the peer's framework",
+            f"### Exactness: float64, a one-cycle schedule (lr_max {ex['lr']}), {ex['n_epoch']} epochs, against the "
+            f"large batch of the peer's framework",
             '',
             md_table(['way to train', 'reference', 'max abs parameter difference', 'learning rates per step'], rows),
             '',
@@ -1031,7 +1073,8 @@ def report(res:dict)->tuple[str,str]:
         rows = [[k, fmt_spread(v['increase_mb'], '{:.1f}') if 'increase_mb' in v else v.get('error'),
                  f"{v['x_micro_batches']:.3f}" if 'x_micro_batches' in v else '-'] for k,v in me['rows'].items()]
         out += [
-            f"### Peak memory: {me['model']}, one epoch of {me['batch']} samples as {me['k']} micro-batches of {me['batch'] // me['k']} "
+            f"### Peak memory: {me['model']}, one epoch of {me['batch']} samples as {me['k']} micro-batches of "
+            f"{me['batch'] // me['k']} "
             f"(one step), resident-set increase over the epoch, {me['reps']} forked process(es) per peer",
             '',
             md_table(

@@ -2,14 +2,14 @@
 (`accum_dtype=None`), side by side in one process: peak memory and time per micro-batch.
 
 Each variant fits one epoch of `GradientAccumulation` (windows of `--k` micro-batches) on an MLP held in bfloat16 (no
-autocast), fastai's SGD and Adam. Memory: the peak of live CPU bytes over the fit, from the torch profiler's memory events
-(`profile_memory=True`: every allocation and free, summed in time order, over the bytes live when the fit starts), so the
-gradients, the float32 sums, the activations and the optimizer's state all count; and, beside it, the peak bytes of
-gradients and sums alone, from a post-accumulate-grad hook registered before the library's (it sees each 16-bit gradient
-before it is added and freed). Time: CPU time per micro-batch, without the profiler, repetitions interleaved; ratios are
-medians [min, max] of the per-repetition ratios. Target: float32 sums cost at most 3x the peak gradient memory of bfloat16
-sums (4 bytes per parameter for the sums + at most one micro-batch's 2-byte gradient, against 2 bytes). Prints a table and
-`RATIO` lines; writes `results/precision.json` and `precision.md`."""
+autocast), fastai's SGD and Adam. Memory: the peak of live CPU bytes over the fit, from the torch profiler's memory
+events (`profile_memory=True`: every allocation and free, summed in time order, over the bytes live when the fit
+starts), so the gradients, the float32 sums, the activations and the optimizer's state all count; and, beside it, the
+peak bytes of gradients and sums alone, from a post-accumulate-grad hook registered before the library's (it sees each
+16-bit gradient before it is added and freed). Time: CPU time per micro-batch, without the profiler, repetitions
+interleaved; ratios are medians [min, max] of the per-repetition ratios. Target: float32 sums cost at most 3x the peak
+gradient memory of bfloat16 sums (4 bytes per parameter for the sums + at most one micro-batch's 2-byte gradient,
+against 2 bytes). Prints a table and `RATIO` lines; writes `results/precision.json` and `precision.md`."""
 from __future__ import annotations
 import argparse, itertools, statistics, sys, time, warnings
 from pathlib import Path
@@ -23,7 +23,8 @@ MB = 2**20
 
 def learner(accum_dtype, opt:str, hidden:int, micro_bs:int, k:int, n_train:int, probe=None):
     from fastai.basics import Learner, SGD, Adam
-    import fastai.callback.progress  # noqa: F401 `Learner.no_bar` (the library imports none of fastai's callback modules)
+    # `Learner.no_bar` (the library imports none of fastai's callback modules)
+    import fastai.callback.progress  # noqa: F401
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
     x,y = digits_tensors(n_train, dtype=torch.bfloat16)
     model = mlp(hidden, 2).to(torch.bfloat16)
@@ -130,8 +131,10 @@ def report(res:dict)->tuple[str,str]:
     cfg = res['config']
     head = (
         f"Precision: GradientAccumulation on a bfloat16 MLP, windows of {cfg['k']} micro-batches of {cfg['micro_bs']}, "
-        f"{cfg['n_train']} digits samples, fit(1); memory from the torch profiler's allocations (peak over the fit, above "
-        f"the start) and from gradient hooks (gradients + float32 sums); CPU time over {cfg['reps']} interleaved repetitions."
+        f"{cfg['n_train']} digits samples, fit(1); memory from the torch profiler's allocations (peak over the fit, "
+        f"above "
+        f"the start) and from gradient hooks (gradients + float32 sums); CPU time over {cfg['reps']} interleaved "
+        f"repetitions."
     )
     text,md = [head, ''],[f"## Precision\n\n{head}\n\nMachine: {describe(res['machine'])}\n"]
     headers = ['variant', 'peak MB', 'bytes/param', 'grads+sums MB', 'bytes/param', 'us / micro-batch']

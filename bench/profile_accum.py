@@ -1,7 +1,8 @@
 """Profile: where the host time of one `GradientAccumulation(128)` micro-batch goes, part by part.
 
-The setup of `peers.py` (CPU, 1 thread, digits repeated to 3,200 samples, MLP 64-128-128-10, fastai's Adam, micro-batches of
-32 from fastai's loader with `num_workers=0`, 128 samples per step, training only, no progress bar). Four measures:
+The setup of `peers.py` (CPU, 1 thread, digits repeated to 3,200 samples, MLP 64-128-128-10, fastai's Adam,
+micro-batches of 32 from fastai's loader with `num_workers=0`, 128 samples per step, training only, no progress bar).
+Four measures:
 
 1. **Sections**: the fastai and library functions each micro-batch calls are wrapped by a timer that keeps each one's
    *exclusive* CPU time (its own, its callees' taken out), so that the parts add up to the fit. The timer's own cost per
@@ -27,7 +28,8 @@ import torch
 from torch import nn
 
 def fastai_learner(cb=None):
-    "The `Learner` of `peers.py`'s fastai rows: digits repeated to 3,200, fastai's loader (`num_workers=0`), bs 32, no validation set"
+    ("The `Learner` of `peers.py`'s fastai rows: digits repeated to 3,200, fastai's loader (`num_workers=0`), bs 32, "
+     "no validation set")
     from peers import Setup, fastai_learner as learner
     return learner(Setup(), MICRO_BS, [] if cb is None else [cb])
 
@@ -229,7 +231,8 @@ def micro_timings(cb_factory)->list[tuple[str,float,str]]:
     res = []
     res.append(
         (
-            f"learn('after_pred'), fastai's dispatch (no fit accumulating): one event no callback of the fit handles, {len(cbs)} callbacks ({', '.join(type(c).__name__ for c in cbs)})",
+            f"learn('after_pred'), fastai's dispatch (no fit accumulating): one event no callback of the fit handles, "
+            f"{len(cbs)} callbacks ({', '.join(type(c).__name__ for c in cbs)})",
             per_call_us(lambda: learn('after_pred')),
             'per event',
         )
@@ -252,7 +255,8 @@ def micro_timings(cb_factory)->list[tuple[str,float,str]]:
     cb = cbs[0]
     res.append(
         (
-            f"Callback.__call__('after_pred') on {type(cb).__name__}, which has no such method (getcallable falls through to the Learner)",
+            f"Callback.__call__('after_pred') on {type(cb).__name__}, which has no such method (getcallable falls "
+            f"through to the Learner)",
             per_call_us(lambda: cb('after_pred')),
             'per callback per event',
         )
@@ -275,7 +279,8 @@ def micro_timings(cb_factory)->list[tuple[str,float,str]]:
     tec = learn.cbs[0]
     res.append(
         (
-            f"{type(tec).__name__}.__setattr__ of a name the Learner lacks (fastai's shadowing check: hasattr(learn, name))",
+            f"{type(tec).__name__}.__setattr__ of a name the Learner lacks (fastai's shadowing check: hasattr(learn, "
+            f"name))",
             per_call_us(lambda: setattr(tec, 'zz_probe', 1)),
             'per set',
         )
@@ -364,9 +369,11 @@ def report(cfg, secs:dict, top:str, micro:list, wi:dict|None=None)->str:
         '',
         f"{cfg}",
         '',
-        f"Untimed fit: **{secs['total_us']:.0f} us per micro-batch** (CPU time of the thread, which leaves out the time other jobs hold the core; median of the repetitions). Timed by parts: "
+        f"Untimed fit: **{secs['total_us']:.0f} us per micro-batch** (CPU time of the thread, which leaves out the "
+        f"time other jobs hold the core; median of the repetitions). Timed by parts: "
         f"{secs['timed_total_us']:.0f} us, of which the timer itself {secs['timer_us']:.0f} us "
-        f"({secs['timer_ns_per_call']:.0f} ns per wrapped call in this fit, {secs['timer_empty_ns']:.0f} ns around an empty function; "
+        f"({secs['timer_ns_per_call']:.0f} ns per wrapped call in this fit, {secs['timer_empty_ns']:.0f} ns around an "
+        f"empty function; "
         f"the former is taken out of each part below, so the parts add up to the untimed fit).",
         '',
         '| part | us / micro-batch | calls / micro-batch |',
@@ -383,20 +390,27 @@ def report(cfg, secs:dict, top:str, micro:list, wi:dict|None=None)->str:
             '',
             "### What-if: fastai's own way put back, one part at a time",
             '',
-            "What the library saves on fastai's per-micro-batch work, while a fit accumulates: its event dispatch (the same "
-            "callbacks called in the same order with the same checks, what each defines resolved once per fit; `patches`), "
-            "its device step (a batch already on the model's device is not rebuilt; `patches._on_device`), and its training "
-            "loader's items as the dataset holds them and batches as collated (`patches.create_batches`). Each row puts "
-            "fastai's own back for that part alone. Interleaved repetitions, CPU time per micro-batch in us, median [min, "
+            "What the library saves on fastai's per-micro-batch work, while a fit accumulates: its event dispatch "
+            "(the same "
+            "callbacks called in the same order with the same checks, what each defines resolved once per fit; "
+            "`patches`), "
+            "its device step (a batch already on the model's device is not rebuilt; `patches._on_device`), and its "
+            "training "
+            "loader's items as the dataset holds them and batches as collated (`patches.create_batches`). Each row "
+            "puts "
+            "fastai's own back for that part alone. Interleaved repetitions, CPU time per micro-batch in us, median "
+            "[min, "
             "max], and the ratio to 'as it is':",
             '',
         ]
         for k in u:
             lines.append(
-                f"- {k}: {u[k]['median']:.0f} [{u[k]['min']:.0f}, {u[k]['max']:.0f}]; ratio {r[k]['median']:.3f} [{r[k]['min']:.3f}, {r[k]['max']:.3f}]"
+                f"- {k}: {u[k]['median']:.0f} [{u[k]['min']:.0f}, {u[k]['max']:.0f}]; ratio {r[k]['median']:.3f} "
+                f"[{r[k]['min']:.3f}, {r[k]['max']:.3f}]"
             )
         lines.append(
-            f"- identical parameters (bitwise) in all: {wi['same_params']}; identical Recorder losses, lrs, values and iters: {wi['same_records']}"
+            f"- identical parameters (bitwise) in all: {wi['same_params']}; identical Recorder losses, lrs, values "
+            f"and iters: {wi['same_records']}"
         )
     lines += [
         '',

@@ -1,25 +1,26 @@
 """Models that load a GPU: time per sample and peak memory of each way to train a window of micro-batches.
 
 Two models in plain `torch.nn` (nothing from torchvision): a small transformer language model (pre-norm blocks, causal
-`scaled_dot_product_attention`, GELU MLP, tied-free head) and a CNN with GroupNorm (a ResNet-style stack of residual blocks),
-on random data made on the device once (no host-to-device copy in the timings). On a GPU everything runs under bf16 autocast
-(fastai's `MixedPrecision(amp_mode='bf16')` on the fastai side); on the CPU in float32.
+`scaled_dot_product_attention`, GELU MLP, tied-free head) and a CNN with GroupNorm (a ResNet-style stack of residual
+blocks), on random data made on the device once (no host-to-device copy in the timings). On a GPU everything runs under
+bf16 autocast (fastai's `MixedPrecision(amp_mode='bf16')` on the fastai side); on the CPU in float32.
 
-Ways to train, each with fastai's `Adam` and with torch's AdamW (`partial(OptimWrapper, opt=torch.optim.AdamW)` on the fastai
-side, `torch.optim.AdamW` in the loop), `--k` micro-batches of `--micro-bs` per optimizer step:
+Ways to train, each with fastai's `Adam` and with torch's AdamW (`partial(OptimWrapper, opt=torch.optim.AdamW)` on the
+fastai side, `torch.optim.AdamW` in the loop), `--k` micro-batches of `--micro-bs` per optimizer step:
 - `loop`: a PyTorch accumulation loop (`loss/k`, backward, step, zero_grad), the reference for time;
 - `fastai alone`: fastai training the micro-batch alone (one step per micro-batch), the reference for memory;
 - `GA`: `GradientAccumulation(k*micro_bs)`; `GA + RecordOnDevice`; `MicroBatching(micro_bs)` on batches of `k*micro_bs`;
 - `fastai GA`: fastai's own `GradientAccumulation`.
 
-Each pass times every variant once, one after the other, in an order that rotates from pass to pass (`--passes`, at least 3);
-a ratio is taken within a pass (a variant against its reference of the same pass), then its median, min and max over passes.
-Peak memory: `torch.cuda.max_memory_allocated` over the timed epoch (CUDA only). Targets (time <= 1.02x the loop on the same
-optimizer, peak memory <= 1.05x fastai alone) are judged on a GPU only; on the CPU they print as 'not judged on CPU'.
-Output: `<out>/realmodel_<device>.json` and `.md`, the device in the name (`cpu`, or the GPU's name).
+Each pass times every variant once, one after the other, in an order that rotates from pass to pass (`--passes`, at
+least 3); a ratio is taken within a pass (a variant against its reference of the same pass), then its median, min and
+max over passes. Peak memory: `torch.cuda.max_memory_allocated` over the timed epoch (CUDA only). Targets (time <= 1.02x
+the loop on the same optimizer, peak memory <= 1.05x fastai alone) are judged on a GPU only; on the CPU they print as
+'not judged on CPU'. Output: `<out>/realmodel_<device>.json` and `.md`, the device in the name (`cpu`, or the GPU's
+name).
 
-    python bench/realmodel.py            # CPU: small sizes; GPU: the sizes of issue 40 (d=256, seq 256, micro-batches of 16 x 4)
-    python bench/realmodel.py --quick    # tiny: a check that the script runs
+    python bench/realmodel.py            # CPU: small sizes; GPU: the sizes of issue 40 (d=256, seq 256, micro-batches
+    of 16 x 4) python bench/realmodel.py --quick    # tiny: a check that the script runs
 """
 from __future__ import annotations
 import argparse, gc, re, statistics, sys, time
@@ -256,7 +257,8 @@ def report(res):
         [
             f"## Real models on {res['device']}",
             '',
-            f"A small transformer LM and a GroupNorm CNN ({'bf16 autocast' if res['amp'] else 'float32'}); ratios within each of "
+            f"A small transformer LM and a GroupNorm CNN ({'bf16 autocast' if res['amp'] else 'float32'}); ratios "
+            f"within each of "
             f"{res['passes']} passes, median [min, max]. Targets are judged on a GPU only.",
             '',
             md_table(['model', 'optimizer / variant', 'ms per sample', 'peak MiB'], times),

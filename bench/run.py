@@ -2,10 +2,11 @@
 
 Runs `overhead.py`, `memory.py`, `precision.py` and `realmodel.py` (its results named after the device), then
 `distributed.py`, `sharded.py` and `checkpoint.py` where they exist and `microbatch_gpu.py` where it
-exists and CUDA is available, and `peers.py` (with `--peers-python`: `make bench` gives it `.venv-bench`, where Lightning and
-fastxtend are installed), each in its own process (`--quick` is passed on to those that take it). Then writes `results/README.md`
-(the machine, a summary of the targets, each benchmark's table) and `results/overhead.png`, `results/memory.png`;
-`results/runs.json` keeps the machine and the runs, so that `--no-run` rebuilds the README and plots from the JSON files."""
+exists and CUDA is available, and `peers.py` (with `--peers-python`: `make bench` gives it `.venv-bench`, where
+Lightning and fastxtend are installed), each in its own process (`--quick` is passed on to those that take it). Then
+writes `results/README.md` (the machine, a summary of the targets, each benchmark's table) and `results/overhead.png`,
+`results/memory.png`; `results/runs.json` keeps the machine and the runs, so that `--no-run` rebuilds the README and
+plots from the JSON files."""
 
 from __future__ import annotations
 import argparse, json, os, subprocess, sys, time
@@ -92,7 +93,8 @@ def plot_overhead(res:dict, path:Path):
     ax.set_xticks(range(len(models))); ax.set_xticklabels(list(models))
     ax.set_ylabel(f'CPU time / CPU time of "{ref}"\n(median, min-max over repetitions)')
     ax.set_title(
-        f"Training time at the same micro-batch size ({res['config']['micro_bs']}, accum_bs={res['config']['accum_bs']})"
+        f"Training time at the same micro-batch size ({res['config']['micro_bs']}, "
+        f"accum_bs={res['config']['accum_bs']})"
     )
     ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1))
     fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)

@@ -1,10 +1,12 @@
-"""Sharded: the collectives per optimizer step and the gradient each process holds, DDP against FSDP reducing the gradients
-at every micro-batch (`grad_sync='micro_batch'`) or once per window (`'window'`), over 2 processes (torchrun, gloo, CPU).
+"""Sharded: the collectives per optimizer step and the gradient each process holds, DDP against FSDP reducing the \
+gradients
+at every micro-batch (`grad_sync='micro_batch'`) or once per window (`'window'`), over 2 processes (torchrun, gloo,
+CPU).
 
 Every variant trains the same MLP (same start) on the same samples (each process its half) with
-`GradientAccumulation(accum_bs)` and PyTorch's SGD through fastai's `OptimWrapper` (whose `zero_grad` frees the gradients,
-as PyTorch's does), the model wrapped before the `Learner` is built: DDP (`grad_sync='auto'`, i.e. 'window': `no_sync` on
-all but the window's last micro-batch), FSDP2 (`fully_shard` on each Linear, then the root) and FSDP1
+`GradientAccumulation(accum_bs)` and PyTorch's SGD through fastai's `OptimWrapper` (whose `zero_grad` frees the
+gradients, as PyTorch's does), the model wrapped before the `Learner` is built: DDP (`grad_sync='auto'`, i.e. 'window':
+`no_sync` on all but the window's last micro-batch), FSDP2 (`fully_shard` on each Linear, then the root) and FSDP1
 (`FullyShardedDataParallel(use_orig_params=True)`, one unit per Linear), each FSDP with 'micro_batch' (its default) and
 'window'. The variants run side by side in one launch, interleaved (AB BA ...) after a warm-up round.
 
@@ -158,8 +160,10 @@ def report(res)->tuple[str,str]:
     full = 4*res['n_params']
     head = (
         f"Sharded: {res['world_size']} processes (torchrun, gloo, CPU, {c['threads']} torch thread(s) each); MLP "
-        f"64-{'-'.join([str(c['hidden'])] * c['layers'])}-10 ({res['n_params']:,} float32 parameters: {full:,} B of gradient), "
-        f"{c['layers'] + 1} Linear layers sharded one by one; {c['n_train']} digits samples ({c['n_train'] // res['world_size']} per process), "
+        f"64-{'-'.join([str(c['hidden'])] * c['layers'])}-10 ({res['n_params']:,} float32 parameters: {full:,} B of "
+        f"gradient), "
+        f"{c['layers'] + 1} Linear layers sharded one by one; {c['n_train']} digits samples "
+        f"({c['n_train'] // res['world_size']} per process), "
         f"micro-batches of {c['micro_bs']}, accum_bs={c['accum_bs']} per process ({k} micro-batches per window), "
         f"SGD; {c['reps']} interleaved repetitions of fit({c['epochs']}) after a warm-up round."
     )

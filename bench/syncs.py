@@ -4,24 +4,25 @@ A `TorchDispatchMode` sees the ATen ops that read a device value on the host: `a
 `bool()`, `float()`, `int()` of a tensor), `aten.is_nonzero`, `aten.equal`. A `TorchFunctionMode` sees the copies to the
 host that no ATen op reveals on the CPU: `.cpu()`, `.tolist()`, `.numpy()` (`.item()` is counted once, by its ATen op).
 `.to(device)` is not counted: on a CPU run the training device is the host, so a copy of a batch to the device (no sync
-with a GPU: the host goes on) cannot be told apart from a copy back to the host. On the CPU every tensor is on the host, so what a data loader does with its own host tensors would be
-counted too: `paused()` (or `pause_loader`) leaves the loader's work out, as it stays on the host with a GPU. Likewise
-`torch.optim` keeps each parameter's `step` count on the host (unless `capturable`/`fused`) and reads it with `.item()`:
-reads made inside `torch/optim/` are kept apart, in `host_reads`, not counted as syncs.
+with a GPU: the host goes on) cannot be told apart from a copy back to the host. On the CPU every tensor is on the host,
+so what a data loader does with its own host tensors would be counted too: `paused()` (or `pause_loader`) leaves the
+loader's work out, as it stays on the host with a GPU. Likewise `torch.optim` keeps each parameter's `step` count on the
+host (unless `capturable`/`fused`) and reads it with `.item()`: reads made inside `torch/optim/` are kept apart, in
+`host_reads`, not counted as syncs.
 
     with SyncCounter() as c: train()
     c.total, c.by_kind, c.by_site   # counts, per kind, per (kind, first frame outside torch)
 
-`SyncCounter(copies=True)` also counts blocking copies to the device: `Tensor.to`/`.cuda()` with `non_blocking=False` that
-name a device (a tensor's or a string) of another type than the source, and `copy_` between devices (kind 'blocking copy to
-device'). With no GPU in the process the host stands for the device: a `.to(device)` that names the CPU, from a host tensor, is
-counted (fastai's loader's `to_device(b, 'cpu')`), as it would be a host-to-device copy that waits on a GPU; a copy of what
-such a copy gave (fastai's `Learner._set_device` after its loader's) is not, as the tensor is on the device already. These are counted
-while paused too: a loader's copy of its batch to the device is not host work.
+`SyncCounter(copies=True)` also counts blocking copies to the device: `Tensor.to`/`.cuda()` with `non_blocking=False`
+that name a device (a tensor's or a string) of another type than the source, and `copy_` between devices (kind 'blocking
+copy to device'). With no GPU in the process the host stands for the device: a `.to(device)` that names the CPU, from a
+host tensor, is counted (fastai's loader's `to_device(b, 'cpu')`), as it would be a host-to-device copy that waits on a
+GPU; a copy of what such a copy gave (fastai's `Learner._set_device` after its loader's) is not, as the tensor is on the
+device already. These are counted while paused too: a loader's copy of its batch to the device is not host work.
 
-On a GPU, `SyncCounter(cuda=True)` also counts the syncs CUDA itself reports (`torch.cuda.set_sync_debug_mode('warn')`: a
-warning at each synchronizing call, a host copy of a batch to the device included) in `c.cuda_by_site`, paused alike: a check
-of the counts above that does not depend on knowing which calls sync.
+On a GPU, `SyncCounter(cuda=True)` also counts the syncs CUDA itself reports (`torch.cuda.set_sync_debug_mode('warn')`:
+a warning at each synchronizing call, a host copy of a batch to the device included) in `c.cuda_by_site`, paused alike:
+a check of the counts above that does not depend on knowing which calls sync.
 """
 from __future__ import annotations
 import os, sys, warnings, weakref
@@ -137,7 +138,8 @@ class SyncCounter:
     def cuda_total(self)->int: return sum(self.cuda_by_site.values())
     def reset(self): self.by_site.clear(); self.host_reads.clear(); self.cuda_by_site.clear()
     def _cuda_warning(self, message, category, filename, lineno, file=None, line=None):
-        "`warnings.showwarning` while counting: CUDA's sync warnings counted where they were asked for, other warnings shown"
+        ("`warnings.showwarning` while counting: CUDA's sync warnings counted where they were asked for, other "
+         "warnings shown")
         if 'synchroniz' not in str(message).lower(): return self._show(message, category, filename, lineno, file, line)
         if not self._paused: self.cuda_by_site[_site(sys._getframe(1))] += 1
     @contextmanager
@@ -166,7 +168,8 @@ class SyncCounter:
         return ', '.join(f"{n} x {k} at {s}" for (k,s),n in self.by_site.most_common(top))
 
 def paused_iter(it, counter:SyncCounter):
-    "Iterate over `it` (an iterable, or a function that returns an iterator) with `counter` paused while it makes each item"
+    ("Iterate over `it` (an iterable, or a function that returns an iterator) with `counter` paused while it makes "
+     "each item")
     with counter.paused(): it = it() if callable(it) else iter(it)
     while True:
         with counter.paused():
@@ -175,7 +178,8 @@ def paused_iter(it, counter:SyncCounter):
         yield b
 
 def pause_loader(dl, counter:SyncCounter):
-    "Make `dl` (a PyTorch or fastai loader) yield its batches with `counter` paused: what it does on the host is not a sync"
+    ("Make `dl` (a PyTorch or fastai loader) yield its batches with `counter` paused: what it does on the host is not "
+     "a sync")
     cls = type(dl)
     dl.__class__ = type(
         cls.__name__, (cls,), {'__iter__': lambda self: paused_iter(lambda: cls.__iter__(self), counter)}
@@ -185,7 +189,8 @@ def pause_loader(dl, counter:SyncCounter):
 # --- syncs per optimizer step of each way to train, before and after the training loader's copies go non-blocking ---
 
 def _learner(kind:str, non_blocking:bool):
-    "A fastai Learner on 256 random samples, steps of 64 (4 micro-batches of 16); `non_blocking`: the loader's copies pinned, non-blocking"
+    ("A fastai Learner on 256 random samples, steps of 64 (4 micro-batches of 16); `non_blocking`: the loader's "
+     "copies pinned, non-blocking")
     from functools import partial
     from torch import nn
     from fastai.basics import Learner, DataLoaders, noop
@@ -218,7 +223,8 @@ def _learner(kind:str, non_blocking:bool):
     return learn
 
 def per_step(learn, steps_per_epoch:int):
-    "Syncs (host reads and blocking copies to the device) per optimizer step: a 2-epoch fit's over a 1-epoch fit's, after a warm-up fit"
+    ("Syncs (host reads and blocking copies to the device) per optimizer step: a 2-epoch fit's over a 1-epoch fit's, "
+     "after a warm-up fit")
     saved = os.environ.get('FXA_FASTAI_OWN') # `patches.fastai_own`: the loader's copies fastai's own, or not
     os.environ['FXA_FASTAI_OWN'] = '' if getattr(learn, 'library_copies', True) else 'copies'
     try:
@@ -255,10 +261,12 @@ def main():
         rows.append([kind, f'{b:.2f}', f'{bc:.2f}', f'{a:.2f}', f'{ac:.2f}'])
     dev = 'a GPU' if torch.cuda.is_available() else 'the CPU (the host standing for the device)'
     print(
-        f"Host syncs per optimizer step (4 micro-batches of 16 a step; fastai alone: a step per micro-batch), counted on {dev};"
+        f"Host syncs per optimizer step (4 micro-batches of 16 a step; fastai alone: a step per micro-batch), counted "
+        f"on {dev};"
     )
     print(
-        "before: fastai's loader copies each batch with non_blocking=False; after: pinned, non_blocking (this library's fits take "
+        "before: fastai's loader copies each batch with non_blocking=False; after: pinned, non_blocking (this "
+        "library's fits take "
         "their training loader's copies over: `patches`; fastai's own rows: the same by hand)"
     )
     w = max(len(r[0]) for r in rows)

@@ -1,8 +1,9 @@
 """Large batch vs micro-batches + GradientAccumulation on scikit-learn's digits (no download).
 
 Trains the same MLP three ways with `fit_one_cycle`: batches of 256; micro-batches of 32 accumulated to 256 with this
-library; the same micro-batches with fastai's own `GradientAccumulation`. Prints each run's final metrics and the
-largest parameter difference from the large-batch run, and saves the loss curves to `<out>/loss_curves.png`.
+library; the same micro-batches with fastai's own `GradientAccumulation`. \
+Prints each run's final metrics and the largest
+parameter difference from the large-batch run, and saves the loss curves to `<out>/loss_curves.png`.
 Float64 throughout, so that "the same training" can be checked to rounding error."""
 import argparse
 from pathlib import Path

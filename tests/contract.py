@@ -12,7 +12,8 @@ MICRO, ACCUM, N_TRAIN = 16, 64, 1024  # 64 micro-batches an epoch, 16 windows of
 
 
 class CancelAt(Callback):
-    "Cancel the micro-batches `at` ((epoch, iter) pairs) in `event`, at `order`: a guard that cancels what it does not like"
+    ("Cancel the micro-batches `at` ((epoch, iter) pairs) in `event`, at `order`: a guard that cancels what it does "
+     "not like")
 
     def __init__(self, at, event='before_batch', order=0, exc=CancelBatchException):
         self.at,self.event,self.order,self.exc = set(at),event,order,exc
@@ -72,7 +73,8 @@ def regulariser_runs(order, micro_batching=False):
     return large,accum
 
 def class3_learner(bs, cbs=(), weight=None):
-    "Digits in windows of 16 samples of class 3 then 48 of other classes, with class 3 weighted 0: a micro-batch of weight 0"
+    ("Digits in windows of 16 samples of class 3 then 48 of other classes, with class 3 weighted 0: a micro-batch of "
+     "weight 0")
     x,y = digits_data()
     three,other = (y == 3).nonzero().squeeze(1),(y != 3).nonzero().squeeze(1)
     idx = torch.cat([torch.cat([three[16*w:16*(w+1)], other[48*w:48*(w+1)]]) for w in range(8)])
@@ -116,8 +118,8 @@ class CrossEntropy64(nn.CrossEntropyLoss):
     y_int = True
 
 def image_digits_learner(bs, cbs=(), float64=False):
-    """Digits as 1x8x8 images (what CutMix cuts): float32 with fastai's CrossEntropyLossFlat (MixUp needs its `y_int`), or
-    float64 with `CrossEntropy64`"""
+    """Digits as 1x8x8 images (what CutMix cuts): float32 with fastai's CrossEntropyLossFlat (MixUp needs its `y_int`),
+    or float64 with `CrossEntropy64`"""
     dtype = torch.float64 if float64 else torch.float32
     x,y = digits_data(dtype)
     x = x.view(-1, 1, 8, 8)
@@ -135,7 +137,8 @@ def image_digits_learner(bs, cbs=(), float64=False):
     )
 
 def mix_cb(mix_cls:str, float64=False):
-    "fastai's MixUp or CutMix; in float64 its `lam` drawn in float64 (fastai draws float32; CutMix's from the box, cast after)"
+    ("fastai's MixUp or CutMix; in float64 its `lam` drawn in float64 (fastai draws float32; CutMix's from the box, "
+     "cast after)")
     from torch.distributions.beta import Beta
     from fastai.callback.mixup import MixUp, CutMix
     class CutMix64(CutMix):

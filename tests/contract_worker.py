@@ -1,7 +1,7 @@
 """One process of a 2-process run (torchrun, gloo, CPU) where callbacks cancel micro-batches on every process or on one:
-started by `test_contract.py` as `python -m torch.distributed.run --nproc_per_node=2 tests/contract_worker.py OUT CASES`.
-Each case writes `OUT/<case>-rank<r>.pt`: the parameters (whole), the steps taken, the seconds, or the error raised, and
-the library's own collectives in the fit (`library_<kind>`: counted by `fsdp_worker.CollectiveCounter`)."""
+started by `test_contract.py` as `python -m torch.distributed.run --nproc_per_node=2 tests/contract_worker.py OUT
+CASES`. Each case writes `OUT/<case>-rank<r>.pt`: the parameters (whole), the steps taken, the seconds, or the error
+raised, and the library's own collectives in the fit (`library_<kind>`: counted by `fsdp_worker.CollectiveCounter`)."""
 import os, sys, time
 import torch, torch.nn as nn, torch.distributed as dist
 from fastai.basics import *
@@ -99,7 +99,8 @@ class L2Term(Callback):
         self.learn.loss_grad = self.learn.loss_grad + LAM*sum((p**2).sum() for p in self.model.parameters())
 
 class Cancel(Callback):
-    "Cancel this process's micro-batches `at` in `event`, at `order` (a NaN guard in after_loss, a filter in before_batch)"
+    ("Cancel this process's micro-batches `at` in `event`, at `order` (a NaN guard in after_loss, a filter in "
+     "before_batch)")
 
     def __init__(self, at, event, order): self.at,self.order = at,order; setattr(self, event, self._cancel)
     def _cancel(self):

@@ -3,7 +3,8 @@
 
 Each case trains with `GradientAccumulation` under DDP, counts the gradient all-reduces with a DDP communication hook,
 and writes what the test compares to one process training on the same global batches: `OUT_DIR/<case>-rank<r>.pt`.
-The helpers here (fastai's distributed training on CPU, the all-reduce counter) are shared with `bench/distributed.py`."""
+The helpers here (fastai's distributed training on CPU, the all-reduce counter) are shared with
+`bench/distributed.py`."""
 
 import os, sys
 import torch, torch.nn as nn, torch.distributed as dist
@@ -21,7 +22,8 @@ BUCKETS = [[16]*8, [8]*7 + [72]]
 
 def fastai_distributed():
     """`fastai.distributed` (it needs `accelerate`, pinned in the lock files), with `DistributedDL` broadcasting the
-    epoch's sample order on the CPU under gloo (fastai sends it with `.cuda()`), and fastai's loaders without worker processes"""
+    epoch's sample order on the CPU under gloo (fastai sends it with `.cuda()`), and fastai's loaders without worker
+    processes"""
     import accelerate
     import fastai.distributed as fd
     def _broadcast(self, t, rank):
@@ -46,8 +48,9 @@ def fastai_distributed():
 
 def exit_worker():
     """End a worker once its results are written and every process passed its last barrier: `os._exit(0)`, without the
-    interpreter's teardown, in which gloo's threads behind a DDP model can abort the process ("terminate called without an
-    active exception", SIGABRT, after everything ran: 1 launch in about 15 here, even after `destroy_process_group`)"""
+    interpreter's teardown, in which gloo's threads behind a DDP model can abort the process ("terminate called without
+    an active exception", SIGABRT, after everything ran: 1 launch in about 15 here, even after
+    `destroy_process_group`)"""
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(0)
 
@@ -120,7 +123,8 @@ class Unmeasurable(list):
     def __init__(self, batches): super().__init__(batches); import threading; self.lock = threading.Lock()
 
 class Drifting:
-    "A batch sampler of 128 samples whose `len` is 8; from its 2nd iteration on, with `drift`, sizes [8]*7+[72] instead of [16]*8"
+    ("A batch sampler of 128 samples whose `len` is 8; from its 2nd iteration on, with `drift`, sizes [8]*7+[72] "
+     "instead of [16]*8")
 
     calls = 0 # shared by every copy: a copy read ahead cannot tell what the next real iteration gives
     def __init__(self, start, drift): self.start,self.drift = start,drift
@@ -131,7 +135,8 @@ class Drifting:
         for s in sizes: yield list(range(i, i+s)); i += s
 
 class Resizing(FastaiDataLoader):
-    "A fastai loader whose sizes are known ahead from its `bs` and length, but which yields micro-batches of `sizes` instead"
+    ("A fastai loader whose sizes are known ahead from its `bs` and length, but which yields micro-batches of `sizes` "
+     "instead")
 
     sizes = None
     def chunkify(self, b):
@@ -139,7 +144,8 @@ class Resizing(FastaiDataLoader):
         return [b[e-s:e] for s,e in zip(self.sizes, ends)]
 
 def certain_drift_learner(rank, cbs):
-    "128 samples per process in a fastai loader of `bs` 16, planned [16]*8 on both processes; process 1's yields [8]*7+[72]"
+    ("128 samples per process in a fastai loader of `bs` 16, planned [16]*8 on both processes; process 1's yields "
+     "[8]*7+[72]")
     from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
     trn,val = digits_split()
     tdl = Resizing(trn[128*rank:128*(rank+1)], bs=MICRO_BS, device='cpu')
@@ -195,7 +201,8 @@ DEFAULTS = {'default_ga': ('ga', MICRO_BS), 'default_gas': ('gas', MICRO_BS), 'd
 TWINS = {'default_ga': (ACCUM_BS, None), 'default_gas': (MICRO_BS, 'gas'), 'default_micro': (ACCUM_BS, None)}
 
 def default_learner(bs:int, cbs=(), dls=None):
-    "A float64 digits `Learner` on fastai's default loaders (`digits_default_dls`), recording its steps and sample orders"
+    ("A float64 digits `Learner` on fastai's default loaders (`digits_default_dls`), recording its steps and sample "
+     "orders")
     from fastxtend_accum.test_utils import digits_default_dls, digits_mlp, Float64SmoothLoss, TrainingRecord
     return Learner(digits_default_dls(bs) if dls is None else dls, digits_mlp(seed=0), loss_func=nn.CrossEntropyLoss(),
                    cbs=[Float64SmoothLoss(), TrainingRecord(), *cbs])
@@ -272,7 +279,8 @@ CASES = [
 ]
 
 def run_guest(case, out, rank):
-    "The 'samples' case with a Learner subclass whose `_step` (or, under `MicroBatching`, `_do_one_batch`) is its own, or under a stand-in library that wraps `Learner._call_one`"
+    ("The 'samples' case with a Learner subclass whose `_step` (or, under `MicroBatching`, `_do_one_batch`) is its "
+     "own, or under a stand-in library that wraps `Learner._call_one`")
     from fastxtend_accum.callback.gradaccum import GradientAccumulation
     ga,count = GradientAccumulation(ACCUM_BS, normalize_by='samples'),CountAllReduce()
     trn,val = digits_split()

@@ -1,21 +1,22 @@
-"""One process of the same script on any number of processes: `python tests/dealing_worker.py OUT CASES` (one process), or
-`python -m torch.distributed.run --nproc_per_node=R tests/dealing_worker.py OUT CASES` (gloo, CPU), started by
+"""One process of the same script on any number of processes: `python tests/dealing_worker.py OUT CASES` (one process),
+or `python -m torch.distributed.run --nproc_per_node=R tests/dealing_worker.py OUT CASES` (gloo, CPU), started by
 `test_dealing.py`. Each case trains a float64 MLP on digits with fastai's default loaders (shuffled, `drop_last`, seeded
-before they are built) under `learn.distrib_ctx(cpu=True)`, and rank 0 writes `OUT/<case>-w<R>.pt`: each optimizer step's
-samples and lr, the Recorder's losses, and the weights.
+before they are built) under `learn.distrib_ctx(cpu=True)`, and rank 0 writes `OUT/<case>-w<R>.pt`: each optimizer
+step's samples and lr, the Recorder's losses, and the weights.
 
-Cases: `ga` (`GradientAccumulation(64, global_bs=True)`, micro-batches of 8, 1,000 samples: 15 windows and a dropped tail),
-`gas` (`GradientAccumulationSchedule(32, 128, start=1, finish=1, global_bs=True)`, 1,024 samples), `ga_keep` (`ga` on a loader
-that keeps its last partial batch: 1,000 samples, the last window holds 40), `ga_contiguous` (`ga` with `deal_windows=False`:
-fastai's contiguous shares, as before) and `large`, `large_keep` (one process, batches of 64, no accumulation: the
-references), `gas_large` (one process, no accumulation, batches of the schedule's size: 32 in epoch 0, 128 in epoch 1; the
-schedule's reference).
+Cases: `ga` (`GradientAccumulation(64, global_bs=True)`, micro-batches of 8, 1,000 samples: 15 windows and a dropped
+tail), `gas` (`GradientAccumulationSchedule(32, 128, start=1, finish=1, global_bs=True)`, 1,024 samples), `ga_keep`
+(`ga` on a loader that keeps its last partial batch: 1,000 samples, the last window holds 40), `ga_contiguous` (`ga`
+with `deal_windows=False`: fastai's contiguous shares, as before) and `large`, `large_keep` (one process, batches of 64,
+no accumulation: the references), `gas_large` (one process, no accumulation, batches of the schedule's size: 32 in epoch
+0, 128 in epoch 1; the schedule's reference).
 
-The `sampler` cases train on a PyTorch `DataLoader` over this process's `DistributedSampler` (shuffled, seed 0, `set_epoch`
-each epoch), the model wrapped in `DistributedDataParallel` by hand (no `distrib_ctx`): `sampler` (`ga` on it, the
-loader's `drop_last`, 1,023 samples, which the sampler pads to a multiple of the processes), `sampler_keep` (the loader keeps its short batch, the sampler has `drop_last=True`),
-`sampler_contiguous`, `sampler_keep_contiguous` (`deal_windows=False`: the sampler's every R-th sample, as before) and `sampler_large`,
-`sampler_large_keep` (one process, `DistributedSampler(num_replicas=1, rank=0)`, batches of 64, no accumulation)."""
+The `sampler` cases train on a PyTorch `DataLoader` over this process's `DistributedSampler` (shuffled, seed 0,
+`set_epoch` each epoch), the model wrapped in `DistributedDataParallel` by hand (no `distrib_ctx`): `sampler` (`ga` on
+it, the loader's `drop_last`, 1,023 samples, which the sampler pads to a multiple of the processes), `sampler_keep` (the
+loader keeps its short batch, the sampler has `drop_last=True`), `sampler_contiguous`, `sampler_keep_contiguous`
+(`deal_windows=False`: the sampler's every R-th sample, as before) and `sampler_large`, `sampler_large_keep` (one
+process, `DistributedSampler(num_replicas=1, rank=0)`, batches of 64, no accumulation)."""
 import contextlib, os, sys
 import torch, torch.nn as nn, torch.distributed as dist
 from fastai.basics import *
@@ -30,7 +31,8 @@ GAS_BS = [32, 128] # the `gas` case's window size in epochs 0 and 1 (`start=1, f
 N = {'gas': 1024, 'gas_large': 1024, 'sampler': 1023, 'sampler_contiguous': 1023, 'sampler_large': 1023}
 
 class Steps(Callback):
-    "Each optimizer step's samples (over all processes) and lr, by epoch; each epoch's training loader (its sampler's class)"
+    ("Each optimizer step's samples (over all processes) and lr, by epoch; each epoch's training loader (its "
+     "sampler's class)")
 
     order = 7
     def before_fit(self): self.taken,self.loaders = [],[]
@@ -50,7 +52,8 @@ class Steps(Callback):
         self.taken.append((self.epoch, int(n), float(self.opt.hypers[-1]['lr'])))
 
 class EpochBs(Callback):
-    "No accumulation: each epoch's batches hold the samples the schedule's windows hold in that epoch (the loader's `bs`)"
+    ("No accumulation: each epoch's batches hold the samples the schedule's windows hold in that epoch (the loader's "
+     "`bs`)")
 
     def __init__(self, sizes): self.sizes = sizes
     def before_epoch(self): self.dls.train.bs = self.sizes[self.epoch]

@@ -1,8 +1,9 @@
-"""One process of a script whose processes disagree (issue 37, case 5), started by `test_disagree.py` under torchrun (gloo,
-CPU): `python -m torch.distributed.run --nproc_per_node=2 tests/disagree_worker.py OUT CASE`. `resume_worker.py`'s run
-(float64 MLP on digits, `GradientAccumulation(64, global_bs=True)`, micro-batches of 8, `fit(1)`), except: CASE `accum_bs`:
-process 1 has accum_bs=128; `samples`: process 0 holds one training sample more (1001). Each process writes
-`OUT/CASE-rank<r>.json`: the error its fit raised (type, message), when, and its optimizer steps."""
+"""One process of a script whose processes disagree (issue 37, case 5), started by `test_disagree.py` under torchrun
+(gloo, CPU): `python -m torch.distributed.run --nproc_per_node=2 tests/disagree_worker.py OUT CASE`.
+`resume_worker.py`'s run (float64 MLP on digits, `GradientAccumulation(64, global_bs=True)`, micro-batches of 8,
+`fit(1)`), except: CASE `accum_bs`: process 1 has accum_bs=128; `samples`: process 0 holds one training sample more
+(1001). Each process writes `OUT/CASE-rank<r>.json`: the error its fit raised (type, message), when, and its optimizer
+steps."""
 import json, os, sys, time
 import torch, torch.nn as nn, torch.distributed as dist
 from fastai.basics import *

@@ -1,17 +1,17 @@
-"""One process of a script whose fit raises on one of its processes, started by `test_failfast.py` with torchrun (gloo, CPU):
-`python -m torch.distributed.run --nproc_per_node=N tests/failfast_worker.py OUT CASE FAIL_RANK`.
+"""One process of a script whose fit raises on one of its processes, started by `test_failfast.py` with torchrun (gloo,
+CPU): `python -m torch.distributed.run --nproc_per_node=N tests/failfast_worker.py OUT CASE FAIL_RANK`.
 
-Every process trains a float64 MLP on digits with `GradientAccumulation(64, global_bs=True)` under `distrib_ctx`; at its 6th
-micro-batch, process FAIL_RANK raises `ValueError`. CASE `caught`: its script catches the error and goes on to
-`dist.barrier()`, as a script that logs the error and waits for the others does; `lives`: it catches the error and goes on
-for LIVE_S seconds, holding its Learner and its DDP model (a notebook kernel); `killed`: it is killed (SIGKILL) instead;
-`interrupt`: nothing raises, the fit runs on until the test sends Ctrl-C (process 1 slower: process 0 waits in DDP's all-reduce);
-`sharded`: as FAIL_RANK -1, under `sharded_ctx` (FSDP2), every process saving the model each failed fit left;
-`sharded-lives`: `lives` under `sharded_ctx` (FSDP2); `uncaught`: the error ends it. Each process
-writes `OUT/rank<r>.json` the moment its fit ends: when (`time.time()`), with what error, and what the barrier did after.
-FAIL_RANK -1: every process raises (an error all of them meet): each keeps its own, and the process group stays, so the
-script's barrier passes; then a second fit fails on process 1 only, as in `caught`. CASE `apart`: the same, process 0 raising
-APART_S seconds after process 1 (it sleeps first: a slower process, busy outside any collective)."""
+Every process trains a float64 MLP on digits with `GradientAccumulation(64, global_bs=True)` under `distrib_ctx`; at its
+6th micro-batch, process FAIL_RANK raises `ValueError`. CASE `caught`: its script catches the error and goes on to
+`dist.barrier()`, as a script that logs the error and waits for the others does; `lives`: it catches the error and goes
+on for LIVE_S seconds, holding its Learner and its DDP model (a notebook kernel); `killed`: it is killed (SIGKILL)
+instead; `interrupt`: nothing raises, the fit runs on until the test sends Ctrl-C (process 1 slower: process 0 waits in
+DDP's all-reduce); `sharded`: as FAIL_RANK -1, under `sharded_ctx` (FSDP2), every process saving the model each failed
+fit left; `sharded-lives`: `lives` under `sharded_ctx` (FSDP2); `uncaught`: the error ends it. Each process
+writes `OUT/rank<r>.json` the moment its fit ends: when (`time.time()`), with what error, and what the barrier did
+after. FAIL_RANK -1: every process raises (an error all of them meet): each keeps its own, and the process group stays,
+so the script's barrier passes; then a second fit fails on process 1 only, as in `caught`. CASE `apart`: the same,
+process 0 raising APART_S seconds after process 1 (it sleeps first: a slower process, busy outside any collective)."""
 import json, os, signal, sys, time
 import torch, torch.nn as nn, torch.distributed as dist
 from datetime import timedelta

@@ -1,7 +1,7 @@
-"""A fastxtend 0.1.7 user's script and the same script on this library, side by side (issue 38): float64 digits on fastai's
-default loaders, micro-batches of 16. Run by `test_fastxtend.py` in a Python where `fastxtend.callback.gradaccum` imports
-(`.venv-bench`, or any Python with `pip install --no-deps fastxtend==0.1.7`); prints one JSON object:
-`python tests/fastxtend_parity.py` (with fastxtend_accum on PYTHONPATH)."""
+"""A fastxtend 0.1.7 user's script and the same script on this library, side by side (issue 38): float64 digits on
+fastai's default loaders, micro-batches of 16. Run by `test_fastxtend.py` in a Python where
+`fastxtend.callback.gradaccum` imports (`.venv-bench`, or any Python with `pip install --no-deps fastxtend==0.1.7`);
+prints one JSON object: `python tests/fastxtend_parity.py` (with fastxtend_accum on PYTHONPATH)."""
 import json, warnings
 from fastai.basics import *
 from fastai.callback.schedule import SchedCos

@@ -1,6 +1,7 @@
 """Issue 23's figures (the window's contract with the other callbacks of a fit), one process, float64, for whichever
-fastxtend_accum is on PYTHONPATH: `PYTHONPATH=. .venv/bin/python tests/figures_contract.py`. Each line: the case, then the
-steps (accumulated, large batch), the largest lr difference and parameter difference from the large batch, or the error."""
+fastxtend_accum is on PYTHONPATH: `PYTHONPATH=. .venv/bin/python tests/figures_contract.py`. Each line: the case, then
+the steps (accumulated, large batch), the largest lr difference and parameter difference from the large batch, or the
+error."""
 
 import sys, os, warnings
 sys.path.insert(0, os.path.dirname(__file__))
@@ -12,7 +13,8 @@ def show(name, f):
         d = compare(large, accum)
         nan = any(not torch.isfinite(p).all() for p in accum.model.parameters())
         print(
-            f"{name:60s} steps {d['steps'][0]:>3}/{d['steps'][1]:<3} lr {d.get('lr', float('nan')):8.2g} params {d['params']:8.2g}"
+            f"{name:60s} steps {d['steps'][0]:>3}/{d['steps'][1]:<3} lr {d.get('lr', float('nan')):8.2g} params "
+            f"{d['params']:8.2g}"
             + (' (parameters NaN)' if nan else '')
         )
     except Exception as e: print(f"{name:60s} {type(e).__name__}: {str(e)[:150]}")

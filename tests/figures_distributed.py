@@ -2,13 +2,14 @@
 - two processes on fastai's default loaders under `distrib_ctx` (launched by `torchrun`, `accelerate launch`, and
   `notebook_launcher` from a notebook a Jupyter kernel executes, where nbclient is installed), and PyTorch's
   `DistributedSampler`, against one process on the same global windows: every step's lr and momentum, the final weights;
-- sizes not known ahead, one process: each window's lr and momentum against fastai's own at the window's first micro-batch;
+- sizes not known ahead, one process: each window's lr and momentum against fastai's own at the window's first
+micro-batch;
 - a fit resumed with `start_epoch`, with and without the training loader's shuffle state restored.
 Each case is launched on its own, so that one that fails says so and the others still print. Not a test (pytest does not
 collect it): `PYTHONPATH=. .venv-nbdev/bin/python tests/figures_distributed.py` from the repository's root; `--only`
 picks some of: torchrun, accelerate, notebook, unknown, resume (and `--cases` the torchrun cases). The figures before a
-change: the same command with PYTHONPATH at an older library, e.g. `git archive <commit> fastxtend_accum | tar -x -C DIR`
-with this checkout's `fastxtend_accum/test_utils.py` copied in (the helpers the comparison uses)."""
+change: the same command with PYTHONPATH at an older library, e.g. `git archive <commit> fastxtend_accum | tar -x -C
+DIR` with this checkout's `fastxtend_accum/test_utils.py` copied in (the helpers the comparison uses)."""
 
 import argparse, os, sys, tempfile, subprocess
 from pathlib import Path
@@ -23,13 +24,16 @@ def show(how, case, res):
         ref = uneven_drop_reference()
         d = max_diff(r0['params'], [p.detach() for p in ref.model.parameters()])
         return print(
-            f'{how:<17} {case:<14} {r0["n_steps"]} steps (one process on the global batches: {len(ref.recorder.losses)}); '
+            f'{how:<17} {case:<14} {r0["n_steps"]} steps (one process on the global batches: '
+            f'{len(ref.recorder.losses)}); '
             f'max |param diff| {d:.2g}; "stopped mid-window" warnings on rank 0: {n_mid}'
         )
     lr,mom,d,ref = compare_with_twin(r0, r1, case)
     print(
-        f'{how:<17} {case:<14} {r0["n_steps"]} steps (one process on the global windows: {ref["n_steps"]}); max |lr diff| '
-        f'{lr:.2g} (peak lr 1e-2), max |mom diff| {mom:.2g}, max |param diff| {d:.2g}; "stopped mid-window" warnings on rank 0: {n_mid}'
+        f'{how:<17} {case:<14} {r0["n_steps"]} steps (one process on the global windows: {ref["n_steps"]}); max |lr '
+        f'diff| '
+        f'{lr:.2g} (peak lr 1e-2), max |mom diff| {mom:.2g}, max |param diff| {d:.2g}; "stopped mid-window" warnings '
+        f'on rank 0: {n_mid}'
     )
 
 
@@ -98,7 +102,8 @@ def unknown():
         expected,got = sizes_unknown_runs(kind)
         d = {hp: max(abs(a[hp]-b[hp]) for a,b in zip(got, expected)) for hp in ('lr', 'mom')}
         print(
-            f'sizes not known ahead, {kind:<3}: {len(got)} steps; max |lr diff| {d["lr"]:.2g} (peak lr 1e-2), max |mom diff| '
+            f'sizes not known ahead, {kind:<3}: {len(got)} steps; max |lr diff| {d["lr"]:.2g} (peak lr 1e-2), max '
+            f'|mom diff| '
             f"{d['mom']:.2g} from fastai's own hyper-parameters at each window's first micro-batch"
         )
 
@@ -107,7 +112,8 @@ def resume():
     for name in CALLBACKS:
         exact,off = resume_diffs(name, Path(tempfile.mkdtemp()))
         print(
-            f'resume, {name:<28}: fit_one_cycle({N_EPOCH}) resumed at epoch {STOP}: max |param diff| from the uninterrupted '
+            f'resume, {name:<28}: fit_one_cycle({N_EPOCH}) resumed at epoch {STOP}: max |param diff| from the '
+            f'uninterrupted '
             f"fit {exact:.2g} with the loader's shuffle state restored, {off:.2g} without"
         )
 

@@ -1,6 +1,7 @@
-"""Issue 37's fail-fast cases, measured: for each, the seconds from the failure until every other process stopped, and what
-each printed. `PYTHONPATH=. .venv/bin/python tests/figures_failfast.py [CASE ...]` (cases: lives, sharded-lives, caught, killed4,
-ctrl-c, apart, sharded); with `PYTHONPATH=<an older checkout>` it measures that checkout's library with these workers."""
+"""Issue 37's fail-fast cases, measured: for each, the seconds from the failure until every other process stopped, and
+what each printed. `PYTHONPATH=. .venv/bin/python tests/figures_failfast.py [CASE ...]` (cases: lives, sharded-lives,
+caught, killed4, ctrl-c, apart, sharded); with `PYTHONPATH=<an older checkout>` it measures that checkout's library with
+these workers."""
 
 import json, os, sys, tempfile
 from pathlib import Path
@@ -16,7 +17,8 @@ def show(name, res, failed_at, wall, p, fail_rank):
             print(f'  process {r} (failed): {o.get("error")}, {(o.get("message") or "")[:160]!r}')
             continue
         print(
-            f'  process {r}: stopped {o["t"] - failed_at:.1f} s after the failure with {o["error"]}: {(o.get("message") or "")[:300]!r}'
+            f'  process {r}: stopped {o["t"] - failed_at:.1f} s after the failure with {o["error"]}: '
+            f'{(o.get("message") or "")[:300]!r}'
         )
 
 
@@ -43,7 +45,8 @@ def run(case):
             for r in range(2):
                 o = json.loads((d/f'all-rank{r}.json').read_text())
                 print(
-                    f'  every process raised: process {r}: save {"gathered the whole model" if o.get("save", "") is None else repr(o.get("save", "")[:160])}'
+                    f'  every process raised: process {r}: save '
+                    f'{"gathered the whole model" if o.get("save", "") is None else repr(o.get("save", "")[:160])}'
                 )
             for r, o in sorted(res.items()):
                 print(f'  process 1 raised: process {r} ({o["error"]}): save {o.get("save", "")[:200]!r}')
@@ -55,7 +58,8 @@ def run(case):
             for r in range(2):
                 o = json.loads((d/f'all-rank{r}.json').read_text())
                 print(
-                    f'  process {r}: its fit ended {o["t"] - t1:.1f} s after process 1 raised, with {o["error"]}: {o["message"][-110:]!r}; '
+                    f'  process {r}: its fit ended {o["t"] - t1:.1f} s after process 1 raised, with {o["error"]}: '
+                    f'{o["message"][-110:]!r}; '
                     f'the barrier after: {"passed" if o.get("barrier", "") is None else o.get("barrier")!r}'
                 )
 

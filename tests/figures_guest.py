@@ -1,7 +1,7 @@
 """Issue 36's shape figures, for whichever fastxtend_accum is on PYTHONPATH (`PYTHONPATH=. .venv/bin/python
-tests/figures_guest.py`; an older checkout: `PYTHONPATH=<its folder>`): the fastai class attributes and module names that
-importing the library changes or adds, the takeovers it registers, the lines of the window engine and of each callback, and
-`GradientAccumulation`'s and `MicroBatching`'s methods and attributes."""
+tests/figures_guest.py`; an older checkout: `PYTHONPATH=<its folder>`): the fastai class attributes and module names
+that importing the library changes or adds, the takeovers it registers, the lines of the window engine and of each
+callback, and `GradientAccumulation`'s and `MicroBatching`'s methods and attributes."""
 
 import os, sys, warnings
 

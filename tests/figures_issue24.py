@@ -1,16 +1,19 @@
 """Print issue 24's figures, before and after, for whichever library is on PYTHONPATH (the same script on any number of
 processes, resume across numbers of processes, fail fast, tied weights under `sharded_ctx`). Not a test (pytest does not
 collect it). After: `PYTHONPATH=. .venv/bin/python tests/figures_issue24.py` from the repository's root. Before:
-`D=/tmp/before24; mkdir -p $D; git archive e94651a fastxtend_accum | tar -x -C $D`, then `PYTHONPATH=$D` (the workers are
-this checkout's; the library is the one on PYTHONPATH: a module it lacks would come from the editable install, which the
-workers avoid importing). `--only` picks some of: dealing, resume, failfast, tied.
+`D=/tmp/before24; mkdir -p $D; git archive e94651a fastxtend_accum | tar -x -C $D`, then `PYTHONPATH=$D` (the workers
+are this checkout's; the library is the one on PYTHONPATH: a module it lacks would come from the editable install, which
+the workers avoid importing). `--only` picks some of: dealing, resume, failfast, tied.
 - dealing: `tests/dealing_worker.py` (digits, 1,000 samples, fastai's default loaders seeded, micro-batches of 8,
   `GradientAccumulation(64, global_bs=True)`, `fit_one_cycle(2)`, float64) on 2 processes against one process with
   batches of 64 and no accumulation;
 - resume: `tests/resume_worker.py` (Adam, `fit_one_cycle(4)`, cut after epoch 1), 2 -> 1 and 1 -> 2 against the
-  uninterrupted run: `ResumeCheckpoint` where the library has it, else fastai's recipe (`SaveModelCallback`, `start_epoch`);
-- failfast: `tests/failfast_worker.py caught 1` on 2 processes, a 60 s process-group timeout: when process 0 stops, and why;
-- tied: an MLP whose layers 0 and 2 share a weight, `learn.sharded_ctx(engine=...)` with the default policy, 2 processes."""
+  uninterrupted run: `ResumeCheckpoint` where the library has it, else fastai's recipe (`SaveModelCallback`,
+  `start_epoch`);
+- failfast: `tests/failfast_worker.py caught 1` on 2 processes, a 60 s process-group timeout: when process 0 stops, and
+why;
+- tied: an MLP whose layers 0 and 2 share a weight, `learn.sharded_ctx(engine=...)` with the default policy, 2
+processes."""
 
 import argparse, json, os, socket, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -43,7 +46,8 @@ def dealing(out):
     ref,r = torch.load(out/'large-w1.pt'),torch.load(out/'ga-w2.pt')
     lr = max(abs(a[2]-b[2]) for a,b in zip(r['steps'], ref['steps']))
     print(
-        f'dealing: GradientAccumulation(64, global_bs=True) on 2 processes vs one process with batches of 64: {len(r["steps"])} '
+        f'dealing: GradientAccumulation(64, global_bs=True) on 2 processes vs one process with batches of 64: '
+        f'{len(r["steps"])} '
         f'steps against {len(ref["steps"])}, max |lr diff| {lr:.2g}, max |param diff| {params_diff(r, ref):.3g}'
     )
 
@@ -59,7 +63,8 @@ def resume(out):
         launch([HERE/'resume_worker.py', out, tag, cut], a)
         launch([HERE/'resume_worker.py', out, tag, res], b)
         print(
-            f'resume, {how}: cut after epoch 1 on {a} process(es), resumed on {b}: max |param diff| from the uninterrupted run '
+            f'resume, {how}: cut after epoch 1 on {a} process(es), resumed on {b}: max |param diff| from the '
+            f'uninterrupted run '
             f'{params_diff(torch.load(out / f"{tag}-{res}-w{b}.pt"), whole):.3g}'
         )
 
@@ -74,7 +79,8 @@ def failfast(out):
     failed_at,o = float((out/'failed_at').read_text()),json.loads((out/'rank0.json').read_text())
     print(
         f'failfast: process 1 of 2 raised and its script caught it: process 0 stopped {o["t"] - failed_at:.2f} s later '
-        f'(process-group timeout 60 s) with {o["error"]}: {" ".join(o["message"].split())[:160]} (launch {time.time() - t0:.0f} s)'
+        f'(process-group timeout 60 s) with {o["error"]}: {" ".join(o["message"].split())[:160]} (launch '
+        f'{time.time() - t0:.0f} s)'
     )
 
 

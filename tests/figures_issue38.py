@@ -1,6 +1,7 @@
 """Issue 38's figures (what the step events read; a parameter of the loss in the optimizer), one process, float64, for
-whichever fastxtend_accum is on PYTHONPATH: `PYTHONPATH=. .venv/bin/python tests/figures_issue38.py`. 250 digits, micro-batches
-of 16, windows of 64 (a short last window of 58 each epoch), against batches of 64 on the same samples, 2 epochs."""
+whichever fastxtend_accum is on PYTHONPATH: `PYTHONPATH=. .venv/bin/python tests/figures_issue38.py`. 250 digits,
+micro-batches of 16, windows of 64 (a short last window of 58 each epoch), against batches of 64 on the same samples, 2
+epochs."""
 import sys, os
 sys.path.insert(0, os.path.dirname(__file__))
 from test_step_events import *
@@ -33,6 +34,7 @@ if __name__ == '__main__':
     for name in ACCUMULATE:
         large,accum = runs(name, lambda bs, cbs=(): fit(temp_learner(bs, cbs)))
         print(
-            f"{name:29s} learnable temperature in the optimizer (splitter): model vs large {max_param_diff(large, accum):8.2g}, "
+            f"{name:29s} learnable temperature in the optimizer (splitter): model vs large "
+            f"{max_param_diff(large, accum):8.2g}, "
             f"temperature {abs(large.loss_func.t.item() - accum.loss_func.t.item()):8.2g}"
         )

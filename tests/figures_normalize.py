@@ -43,14 +43,16 @@ def compare(name, large, other):
     g,h = large.first_step_grad.grad,other.first_step_grad.grad
     rel,cos = ((h-g).norm()/g.norm()).item(),torch.nn.functional.cosine_similarity(g, h, dim=0).item()
     print(
-        f'{name:<62} first step: gradient {rel:.2e} off (cosine {cos:.6f}); after {len(large.recorder.losses):>2} steps: '
+        f'{name:<62} first step: gradient {rel:.2e} off (cosine {cos:.6f}); after {len(large.recorder.losses):>2} '
+        f'steps: '
         f'max |weight diff| {tu.max_param_diff(large, other):.1e}'
         + (f'; warned: {other.warned[0][:60]}...' if other.warned else '')
     )
 
 
 def gpt2_model():
-    "Hugging Face's GPT-2 from a config (random weights, no dropout), float64, logits as (batch, vocab, length); None without transformers"
+    ("Hugging Face's GPT-2 from a config (random weights, no dropout), float64, logits as (batch, vocab, length); "
+     "None without transformers")
     sys.modules.setdefault('torchvision', None) # transformers would import the broken CUDA torchvision
     try: import transformers
     except ImportError: return None

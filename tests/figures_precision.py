@@ -1,8 +1,9 @@
-"""Print the table of issue 25: the first step's gradient of a model held in bfloat16 or float16 (digits, MLP 64-256-10, CPU),
-as its relative distance to the float64 gradient on the same weights and samples, for the large batch and for windows of 16,
-64 and 256 micro-batches summed in 16 bits (`accum_dtype=None`) and in float32 (`accum_dtype=torch.float32`). Measures
-whichever `fastxtend_accum` is on the path (a version without `accum_dtype` sums in 16 bits: its float32 rows say so).
-Not a test (pytest does not collect it): `PYTHONPATH=. .venv/bin/python tests/figures_precision.py` from the repository's root."""
+"""Print the table of issue 25: the first step's gradient of a model held in bfloat16 or float16 (digits, MLP 64-256-10,
+CPU), as its relative distance to the float64 gradient on the same weights and samples, for the large batch and for
+windows of 16, 64 and 256 micro-batches summed in 16 bits (`accum_dtype=None`) and in float32
+(`accum_dtype=torch.float32`). Measures whichever `fastxtend_accum` is on the path (a version without `accum_dtype` sums
+in 16 bits: its float32 rows say so). Not a test (pytest does not collect it): `PYTHONPATH=. .venv/bin/python
+tests/figures_precision.py` from the repository's root."""
 
 import inspect, os, time, warnings
 import torch
@@ -70,7 +71,8 @@ def main():
     import fastxtend_accum
 
     print(
-        f"fastxtend_accum from {os.path.dirname(fastxtend_accum.__file__)}; accum_dtype: {'yes' if HAS_ACCUM_DTYPE else 'no (sums in 16 bits)'}"
+        f"fastxtend_accum from {os.path.dirname(fastxtend_accum.__file__)}; accum_dtype: "
+        f"{'yes' if HAS_ACCUM_DTYPE else 'no (sums in 16 bits)'}"
     )
     print(
         "First step's gradient, relative norm error against float64 (digits, MLP 64-256-10, windows of 1,024 samples)"

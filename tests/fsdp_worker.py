@@ -13,8 +13,8 @@ A case is `engine-algo-data-opt[-grad_sync][-variant]`:
 - engine: fsdp2, fsdp1, hsdp (4 processes), ddp (for comparison: MicroBatching's counts over processes hold for DDP too)
 - algo: ga (GradientAccumulation(64), micro-batches of 16), gas (GradientAccumulationSchedule 32 -> 64),
   mb, mb10, mb4 (MicroBatching(16), (10), (4) on batches of 64: with 10, the processes' last batches of 22 and 18 split
-  into 3 and 2, so the processes agree on 3; with 4, a last batch of 4 runs 2 stand-ins of weight 0 beside the other's 6),
-  tga/tmb (tokens: TokenCount, GradientAccumulation(32) on micro-batches of 16, MicroBatching(10) on batches of 32)
+  into 3 and 2, so the processes agree on 3; with 4, a last batch of 4 runs 2 stand-ins of weight 0 beside the other's
+  6), tga/tmb (tokens: TokenCount, GradientAccumulation(32) on micro-batches of 16, MicroBatching(10) on batches of 32)
 - data: even (fastai's `DistributedDL` over 300 samples: 150 each), uneven (150 and 146 samples: last windows of 22
   and 18), tiny (150 and 132: last batches of 22 and 4), mismatch (150 and 144: 10 and 9 micro-batches),
   fewer (150 and 100: 3 and 2 batches), text (300 lines of Python's help, 150 per process), buckets (128 samples each, a
@@ -161,8 +161,8 @@ def _nbytes(args, kwargs)->int:
 class CollectiveCounter:
     """Counts calls of `torch.distributed`'s collectives, and their bytes, by kind, once `install`ed in a process: the
     engine's (FSDP's reduce-scatters and all-gathers, HSDP's all-reduces, DDP's all-reduces through its default
-    communication hook) and, apart, the library's own (its direct caller is a `fastxtend_accum` module: the window's counts,
-    the epoch's check)"""
+    communication hook) and, apart, the library's own (its direct caller is a `fastxtend_accum` module: the window's
+    counts, the epoch's check)"""
     def __init__(self): self.n,self.bytes = {},{}
     def install(self):
         for kind,names in COLLECTIVES.items():
@@ -311,7 +311,8 @@ def local_cls(cls):
 
 @contextlib.contextmanager
 def torch_zero_grad():
-    "fastai's `Optimizer.zero_grad` as PyTorch's does it: `detach_()` only a gradient that has a graph, zero it in place"
+    ("fastai's `Optimizer.zero_grad` as PyTorch's does it: `detach_()` only a gradient that has a graph, zero it in "
+     "place")
     from fastai.optimizer import Optimizer
     old = Optimizer.zero_grad
     def zero_grad(self):

@@ -1,15 +1,15 @@
-"""One process of the same training script with `global_bs=True`, run on one process (`python tests/global_bs_worker.py OUT 1
-CASES`) and on two (`python -m torch.distributed.run --nproc_per_node=2 tests/global_bs_worker.py OUT 2 CASES`, gloo, CPU),
-started by `test_global_bs.py`.
+"""One process of the same training script with `global_bs=True`, run on one process (`python tests/global_bs_worker.py
+OUT 1 CASES`) and on two (`python -m torch.distributed.run --nproc_per_node=2 tests/global_bs_worker.py OUT 2 CASES`,
+gloo, CPU), started by `test_global_bs.py`.
 
-Every case trains a float64 MLP on digits with `fit_one_cycle` under `learn.distrib_ctx(cpu=True)` (which does nothing on
-one process, as in a user's script run with `python`), and writes to `OUT/<case>-w<world>-rank<r>.pt` what the test
+Every case trains a float64 MLP on digits with `fit_one_cycle` under `learn.distrib_ctx(cpu=True)` (which does nothing
+on one process, as in a user's script run with `python`), and writes to `OUT/<case>-w<world>-rank<r>.pt` what the test
 compares between one and two processes: the optimizer steps of each epoch, the samples each step held over all processes
 (`held_bs`, what the Recorder, W&B and TensorBoard log), the lr of each step, the parameters, and the one-time messages.
 
 Cases whose name ends in `_dealt` train on an unshuffled loader: on two processes, the library deals its order window by
-window (`dealing.WindowDealtDL`), so each window holds the samples one process's window holds, and the weights must be the
-same (before the dealing, one process reordered its samples to match fastai's contiguous halves)."""
+window (`dealing.WindowDealtDL`), so each window holds the samples one process's window holds, and the weights must be
+the same (before the dealing, one process reordered its samples to match fastai's contiguous halves)."""
 import os, sys, warnings
 import torch, torch.nn as nn, torch.distributed as dist
 from fastai.basics import *
@@ -69,8 +69,8 @@ class Probe(Callback):
             self.steps.append((self.epoch, self.cb.held_bs, float(self.opt.hypers[-1]['lr'])))
 
 class EpochsFor(Callback):
-    """What `lr_find` asks the accumulation callback in its `before_fit`, after fastai's `DistributedTrainer` wrapped the
-    model and loaders: the epochs that 10 optimizer steps need (`epochs_for`)"""
+    """What `lr_find` asks the accumulation callback in its `before_fit`, after fastai's `DistributedTrainer` wrapped
+    the model and loaders: the epochs that 10 optimizer steps need (`epochs_for`)"""
     order = 12 # after DistributedTrainer (11), where LRFinder (50) asks
     def __init__(self): self.n_epoch_for_10 = None
     def before_fit(self):

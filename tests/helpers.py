@@ -1,4 +1,5 @@
-"Test scaffolding shared by the test files: comparing two runs, fastai's own methods put back, CPU mixed precision, an injected fp16 overflow"
+("Test scaffolding shared by the test files: comparing two runs, fastai's own methods put back, CPU mixed precision, "
+ "an injected fp16 overflow")
 
 import contextlib, os
 from fastai.basics import *
@@ -16,7 +17,8 @@ def assert_same_training(large, other, eps=1e-8):
 
 @contextlib.contextmanager
 def fastai_own(*parts):
-    "fastai's own code for the duration where an accumulating fit's class would take it over: `parts` of 'dispatch', 'items'"
+    ("fastai's own code for the duration where an accumulating fit's class would take it over: `parts` of 'dispatch', "
+     "'items'")
     saved = os.environ.get('FXA_FASTAI_OWN') # read at each fit's start (`patches.fastai_own`)
     os.environ['FXA_FASTAI_OWN'] = ','.join(parts)
     try: yield
@@ -45,7 +47,8 @@ class CPUMixedPrecision(MixedPrecision):
     def after_fit(self): self.autocast = None
 
 class Overflow(Callback):
-    "Put an inf in a gradient after the backward that covers training sample `at` (counted in samples that went through)"
+    ("Put an inf in a gradient after the backward that covers training sample `at` (counted in samples that went "
+     "through)")
 
     order = MixedPrecision.order-1
     def __init__(self, at): self.at,self.seen = at,0
@@ -55,8 +58,8 @@ class Overflow(Callback):
         self.seen += find_bs(self.yb)
 
 def import_library_module(name:str):
-    """`importlib.import_module(name)`; a `vision` module with torchvision stood in (it does not import with this machine's CPU
-    torch, see NOTES), then the stand-in and fastai's vision modules taken out of `sys.modules` again"""
+    """`importlib.import_module(name)`; a `vision` module with torchvision stood in (it does not import with this
+    machine's CPU torch, see NOTES), then the stand-in and fastai's vision modules taken out of `sys.modules` again"""
     import importlib, sys
     if '.vision' not in name: return importlib.import_module(name)
     from fastxtend_accum.test_utils import torchvision_stand_in

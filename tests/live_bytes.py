@@ -1,7 +1,8 @@
-"""Count the bytes of tensors on the CPU as an allocator would: `LiveBytes`, a `TorchDispatchMode`, sees every tensor an ATen
-op makes inside it and keeps a weak reference to it; a storage is alive while a tensor made on it is. `now` is what is alive,
-`peak` the most at once: the CPU's stand-in for `torch.cuda.memory_allocated`/`max_memory_allocated` (of what is made inside).
-Autocast's casts are seen (its dispatch keys run above the Python mode's), so are the autograd engine's gradients."""
+"""Count the bytes of tensors on the CPU as an allocator would: `LiveBytes`, a `TorchDispatchMode`, sees every tensor an
+ATen op makes inside it and keeps a weak reference to it; a storage is alive while a tensor made on it is. `now` is what
+is alive, `peak` the most at once: the CPU's stand-in for `torch.cuda.memory_allocated`/`max_memory_allocated` (of what
+is made inside). Autocast's casts are seen (its dispatch keys run above the Python mode's), so are the autograd engine's
+gradients."""
 
 import weakref, torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -10,7 +11,8 @@ from torch.utils._pytree import tree_flatten
 __all__ = ['LiveBytes']
 
 class LiveBytes(TorchDispatchMode):
-    "Bytes of the storages made inside the mode that are still alive (`now`), the most at once (`peak`), and weak references to them"
+    ("Bytes of the storages made inside the mode that are still alive (`now`), the most at once (`peak`), and weak "
+     "references to them")
 
     def __init__(self): super().__init__(); self.live,self.peak,self.ops = {},0,{}
     @staticmethod

@@ -1,9 +1,10 @@
 """One process of a 2-process DDP run (gloo, CPU) of a bfloat16 model, started by `test_precision.py` as
 `python -m torch.distributed.run --nproc_per_node=2 tests/precision_worker.py OUT_DIR`.
 
-Each case trains the digits MLP held in bfloat16 under DDP on this process's own samples (`SHARD` per process, windows of
-`ACCUM_BS` per process in micro-batches of `MICRO_BS`), counts DDP's own gradient all-reduces with a communication hook,
-and writes the first step's gradient, the parameters after the fit and the count to `OUT_DIR/<case>-rank<r>.pt`."""
+Each case trains the digits MLP held in bfloat16 under DDP on this process's own samples (`SHARD` per process, windows
+of `ACCUM_BS` per process in micro-batches of `MICRO_BS`), counts DDP's own gradient all-reduces with a communication
+hook, and writes the first step's gradient, the parameters after the fit and the count to
+`OUT_DIR/<case>-rank<r>.pt`."""
 import os, sys
 from datetime import timedelta
 import torch, torch.nn as nn, torch.distributed as dist
@@ -27,7 +28,8 @@ def shard_dls(rank:int, bs:int):
 
 
 def fsdp2_refusal(rank:int)->dict:
-    "A bfloat16 model sharded with FSDP2 and accum_dtype (the default): the ValueError both processes raise before any micro-batch"
+    ("A bfloat16 model sharded with FSDP2 and accum_dtype (the default): the ValueError both processes raise before "
+     "any micro-batch")
     from torch.distributed.fsdp import fully_shard
     from fastxtend_accum.all import GradientAccumulation
     m = model(torch.bfloat16)

@@ -1,12 +1,15 @@
-"""One process of a script that keeps `ResumeCheckpoint('run')` on its Learner across fits, started by `test_resume_runs.py`
-on one process (`python tests/resume_runs_worker.py OUT TAG CASE`) or under torchrun (gloo, CPU). The script is
-`resume_worker.py`'s run (float64 MLP on digits, Adam, `GradientAccumulation(64, global_bs=True)`, micro-batches of 8):
+"""One process of a script that keeps `ResumeCheckpoint('run')` on its Learner across fits, started by
+`test_resume_runs.py` on one process (`python tests/resume_runs_worker.py OUT TAG CASE`) or under torchrun (gloo, CPU).
+The script is `resume_worker.py`'s run (float64 MLP on digits, Adam, `GradientAccumulation(64, global_bs=True)`,
+micro-batches of 8):
 
 - CASE `fits`: `fit(1); fit(1)` (the second fit is a new one: it trains, from where the first ended); `fits_plain`: the
   same without the callback;
-- `tune`: `fine_tune(2, freeze_epochs=1)`; `tune_cut0`/`tune_cut1`: the same, interrupted (an exception out of the script)
+- `tune`: `fine_tune(2, freeze_epochs=1)`; `tune_cut0`/`tune_cut1`: the same, interrupted (an exception out of the
+script)
   after fit 0's epoch 0 / fit 1's epoch 0; `tune_resume`: the same script again;
-- `other_<what>`: the `tune_resume` script with one setting changed (accum_bs, optimizer, samples): refused before training.
+- `other_<what>`: the `tune_resume` script with one setting changed (accum_bs, optimizer, samples): refused before
+training.
 
 Every process writes `OUT/TAG-CASE-rank<r>.json`: the error it raised (type, message) and when, each fit's steps; rank 0
 also writes `OUT/TAG-CASE.pt` with the weights."""

@@ -1,11 +1,12 @@
-"""One process of a training script that is cut and resumed, on one process (`python tests/resume_worker.py OUT TAG PHASE`)
-or several (`python -m torch.distributed.run --nproc_per_node=R tests/resume_worker.py OUT TAG PHASE`, gloo, CPU), started
-by `test_resume_anywhere.py`. The script trains a float64 MLP on digits (fastai's default loaders, seeded) with fastai's
-Adam and `GradientAccumulation(64, global_bs=True)`, micro-batches of 8, `fit_one_cycle(4)`, under `distrib_ctx`, with
-`ResumeCheckpoint('run')` in `OUT/TAG`. PHASE `whole`: uninterrupted; `cut`: stopped after epoch 1; `resume`: the same
-script again (the callback finds the checkpoint). `cut_fastai`/`resume_fastai`: fastai's own recipe instead
-(`SaveModelCallback(every_epoch=True, with_opt=True)`, then `learn.load('model_1', with_opt=True)` and `start_epoch=2`),
-which does not restore the loader's shuffle. Rank 0 writes `OUT/TAG-PHASE-w<R>.pt`: each step's lr, and the weights."""
+"""One process of a training script that is cut and resumed, on one process (`python tests/resume_worker.py OUT TAG
+PHASE`) or several (`python -m torch.distributed.run --nproc_per_node=R tests/resume_worker.py OUT TAG PHASE`, gloo,
+CPU), started by `test_resume_anywhere.py`. The script trains a float64 MLP on digits (fastai's default loaders, seeded)
+with fastai's Adam and `GradientAccumulation(64, global_bs=True)`, micro-batches of 8, `fit_one_cycle(4)`, under
+`distrib_ctx`, with `ResumeCheckpoint('run')` in `OUT/TAG`. PHASE `whole`: uninterrupted; `cut`: stopped after epoch 1;
+`resume`: the same script again (the callback finds the checkpoint). `cut_fastai`/`resume_fastai`: fastai's own recipe
+instead (`SaveModelCallback(every_epoch=True, with_opt=True)`, then `learn.load('model_1', with_opt=True)` and
+`start_epoch=2`), which does not restore the loader's shuffle. Rank 0 writes `OUT/TAG-PHASE-w<R>.pt`: each step's lr,
+and the weights."""
 import os, sys
 import torch, torch.nn as nn, torch.distributed as dist
 from fastai.basics import *

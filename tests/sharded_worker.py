@@ -4,7 +4,8 @@
 Each case trains the digits MLP the way a user would (fastai's default loaders: shuffled, `drop_last=True`), records the
 micro-batches this process trained on, window by window, and writes `OUT_DIR/<case>-rank<r>.pt`: the test trains one
 process on the same global windows and compares. The `before_*` cases show what fastai does without this library's
-`sharded` module: they must run in a launch that never imports it (`FXA_BEFORE=1`), since importing it patches fastai."""
+`sharded` module: they must run in a launch that never imports it (`FXA_BEFORE=1`), since importing it patches
+fastai."""
 
 import os, sys
 from datetime import timedelta
@@ -85,12 +86,14 @@ class Norms(Callback):
         self.local.append(sq.sqrt().item()); self.whole.append(tot.sqrt().item())
 
 class ShardClip(GradientClip):
-    "fastai's GradientClip as it was: `clip_grad_norm_` on the parameters this process holds (under FSDP1, its own parts)"
+    ("fastai's GradientClip as it was: `clip_grad_norm_` on the parameters this process holds (under FSDP1, its own "
+     "parts)")
 
     def before_step(self): nn.utils.clip_grad_norm_(self.parameters(), self.max_norm, self.norm_type)
 
 def tied_mlp():
-    "An MLP with tied weights: layers 0 and 2 share one 64x64 matrix (as an embedding and the output layer share theirs)"
+    ("An MLP with tied weights: layers 0 and 2 share one 64x64 matrix (as an embedding and the output layer share "
+     "theirs)")
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10)).double()
     m[2].weight = m[0].weight
@@ -220,7 +223,8 @@ def run_case(case, out, rank):
         learn.path = Path(out)/'user1'
         learn.save('end')
         return torch.save(dict(batches=learn.seen.batches), os.path.join(out, f'{case}-rank{rank}.pt'))
-    elif case in ('tied_fsdp2', 'tied_fsdp1'):  # tied weights, the default policy: the two holders join the root's block
+    # tied weights, the default policy: the two holders join the root's block
+    elif case in ('tied_fsdp2', 'tied_fsdp1'):
         learn = learner(
             'adam' if case == 'tied_fsdp2' else 'sgd', cbs=[GradientAccumulation(ACCUM_BS)], model=tied_mlp()
         )
@@ -245,7 +249,8 @@ def run_case(case, out, rank):
 
 # --- what fastai does on a sharded model without this library's `sharded` module (run with FXA_BEFORE=1)
 class ShardInBeforeFit(Callback):
-    "A `prepare` that shards the model in `before_fit`, as `DistributedTrainer` wraps it in DDP, and unwraps it as that does"
+    ("A `prepare` that shards the model in `before_fit`, as `DistributedTrainer` wraps it in DDP, and unwraps it as "
+     "that does")
 
     order = 11
     def before_fit(self): fully_shard_user(self.learn.model)

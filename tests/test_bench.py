@@ -146,9 +146,9 @@ def test_run_builds_readme_and_plots(runs):
     for png in ('overhead.png', 'memory.png'): assert (out/png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 def test_sharded_quick(tmp_path):
-    """`bench/sharded.py --quick` (torchrun, 2 processes): DDP, FSDP2 and FSDP1 with both `grad_sync` choices side by side.
-    Counts and bytes, not timings, so they are asserted: 'micro_batch' holds half of DDP's gradient, 'window' reduces the
-    gradient once per window (DDP's bytes; 1/k of 'micro_batch''s)"""
+    """`bench/sharded.py --quick` (torchrun, 2 processes): DDP, FSDP2 and FSDP1 with both `grad_sync` choices side by
+    side. Counts and bytes, not timings, so they are asserted: 'micro_batch' holds half of DDP's gradient, 'window'
+    reduces the gradient once per window (DDP's bytes; 1/k of 'micro_batch''s)"""
     p = subprocess.run(
         [sys.executable, str(BENCH / 'sharded.py'), '--quick', '--out', str(tmp_path)],
         cwd=ROOT,
@@ -177,8 +177,8 @@ def test_sharded_quick(tmp_path):
     assert all(r['met'] for r in data['models']['mlp']['ratios'] if r['target'] is not None)
 
 def test_profile_runs(tmp_path):
-    """`bench/profile_accum.py` runs: every part of a micro-batch timed with the library's event dispatch on, and each of the
-    library's savings put back trains identically"""
+    """`bench/profile_accum.py` runs: every part of a micro-batch timed with the library's event dispatch on, and each
+    of the library's savings put back trains identically"""
     env = dict(os.environ, PYTHONWARNINGS='ignore', OMP_NUM_THREADS='1')
     p = subprocess.run(
         [
@@ -211,8 +211,8 @@ def test_profile_runs(tmp_path):
     assert "fastai's do_item for each sample" in text and "fastai's retain for each batch" in text
 
 def test_realmodel_quick(tmp_path):
-    """`bench/realmodel.py --quick`: a transformer LM and a GroupNorm CNN, every way to train with both optimizers, 3 passes;
-    on the CPU its targets print as 'not judged on CPU' and its results are named after the device"""
+    """`bench/realmodel.py --quick`: a transformer LM and a GroupNorm CNN, every way to train with both optimizers, 3
+    passes; on the CPU its targets print as 'not judged on CPU' and its results are named after the device"""
     env = dict(os.environ, PYTHONWARNINGS='ignore', OMP_NUM_THREADS='1')
     p = subprocess.run(
         [sys.executable, str(BENCH / 'realmodel.py'), '--quick', '--out', str(tmp_path)],

@@ -1,10 +1,10 @@
 """The window's contract with the other callbacks of a fit (issue 23), against the large batch on the same samples,
 float64 within 1e-10: guards that cancel micro-batches at any `order` and event, a term added to the loss in
-`before_backward`, the same instance twice, a class weight of 0, sum-reduced losses, MixUp and CutMix under MicroBatching,
-bad counters and sizes; and on 2 processes (torchrun, gloo, bounded), cancels on every process or on one, under DDP and
-FSDP2, and under DDP a before_backward term at orders 0, 10, 60, a sum-reduced loss and a zero class weight: replicas
-identical, equal to one process on the global windows without the cancelled micro-batches, with at most one small
-collective of the library's per window."""
+`before_backward`, the same instance twice, a class weight of 0, sum-reduced losses, MixUp and CutMix under
+MicroBatching, bad counters and sizes; and on 2 processes (torchrun, gloo, bounded), cancels on every process or on one,
+under DDP and FSDP2, and under DDP a before_backward term at orders 0, 10, 60, a sum-reduced loss and a zero class
+weight: replicas identical, equal to one process on the global windows without the cancelled micro-batches, with at most
+one small collective of the library's per window."""
 import math, os, subprocess, sys
 import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,8 +72,8 @@ def test_a_zero_class_weight_adds_nothing(micro_batching):
 def test_sum_reduced_losses_train_as_the_large_batch_sum(loss, cb):
     large,accum = sum_loss_runs(loss, cb)
     d = compare(large, accum)
-    # fastai's CrossEntropyLossFlat returns a float32 loss whatever the model's dtype: the recorded sums agree to float32
-    # rounding (3e-5 here), the parameters within 1e-10 as for PyTorch's losses
+    # fastai's CrossEntropyLossFlat returns a float32 loss whatever the model's dtype: the recorded sums agree to
+    # float32 rounding (3e-5 here), the parameters within 1e-10 as for PyTorch's losses
     assert d['steps'][0] == d['steps'][1] and d['params'] < EPS and d['loss'] < (1e-3 if 'Flat' in loss else EPS), d
 
 def test_auto_says_it_found_a_sum(capsys):
@@ -144,7 +144,8 @@ def runs(tmp_path_factory):
     return {c: [torch.load(out/f'{c}-rank{r}.pt') for r in range(2)] for c in W.CASES}
 
 def reference(case:str)->tuple[list,int]:
-    "One process stepping on each global window (both processes' micro-batches) without the cancelled ones: params, steps"
+    ("One process stepping on each global window (both processes' micro-batches) without the cancelled ones: params, "
+     "steps")
     model,data,steps = digits_mlp(seed=0),[W.samples(r, case) for r in range(2)],0
     per,v,lf = W.ACCUM_BS//W.MICRO_BS,W.variant(case),W.loss_func(case)
     if v.get('temp'): return reference_temperatures(case)
@@ -163,7 +164,8 @@ def reference(case:str)->tuple[list,int]:
     return [p.detach() for p in model.parameters()],steps
 
 def reference_temperatures(case:str)->tuple[list,int,list]:
-    "DDP on the large batch with a loss parameter outside the model: the model steps on the mean of the processes' window means, each process's temperature on its own"
+    ("DDP on the large batch with a loss parameter outside the model: the model steps on the mean of the processes' "
+     "window means, each process's temperature on its own")
     model,data,steps = digits_mlp(seed=0),[W.samples(r, case) for r in range(2)],0
     ts = [torch.tensor(1., dtype=torch.float64, requires_grad=True) for _ in range(2)]
     for epoch in range(W.N_EPOCH):
@@ -186,9 +188,10 @@ def reference_temperatures(case:str)->tuple[list,int,list]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize('case', list(W.CASES))
 def test_cancels_on_any_process_keep_replicas_on_the_global_windows(runs, case):
-    """Cancels on every process or on one, and (`W.OTHER`) a before_backward term at orders 0, 10, 60, a sum-reduced loss and
-    a zero class weight under DDP: replicas identical, equal to one process on the global windows within 1e-10; the
-    library's own collectives: one small all-reduce per window at most (plus one an epoch and one a fit), none per micro-batch"""
+    """Cancels on every process or on one, and (`W.OTHER`) a before_backward term at orders 0, 10, 60, a sum-reduced
+    loss and a zero class weight under DDP: replicas identical, equal to one process on the global windows within 1e-10;
+    the library's own collectives: one small all-reduce per window at most (plus one an epoch and one a fit), none per
+    micro-batch"""
     r0,r1 = runs[case]
     assert r0['error'] is None and r1['error'] is None, (r0['error'], r1['error'])
     ref,n,*ts = reference(case)

@@ -1,7 +1,8 @@
-"""Processes that disagree (issue 37, case 5): accum_bs 64 on one process and 128 on the other, or one training sample more
-on process 0, are found in one all-reduce before the epoch's first collective they would disagree on (the dealt order's
-broadcast, the windows' all-reduces): every process raises `ProcessesDisagree` naming the values and the processes, within
-seconds; before, process 1 aborted in gloo's C++ (SIGABRT, "collective mismatch"). Worker: `disagree_worker.py`."""
+"""Processes that disagree (issue 37, case 5): accum_bs 64 on one process and 128 on the other, or one training sample
+more on process 0, are found in one all-reduce before the epoch's first collective they would disagree on (the dealt
+order's broadcast, the windows' all-reduces): every process raises `ProcessesDisagree` naming the values and the
+processes, within seconds; before, process 1 aborted in gloo's C++ (SIGABRT, "collective mismatch"). Worker:
+`disagree_worker.py`."""
 
 import json, os, subprocess, sys, time
 import pytest
@@ -30,6 +31,7 @@ def test_every_process_names_what_differs(tmp_path, case, says):
     for r in range(2):
         o = json.loads((tmp_path/f'{case}-rank{r}.json').read_text())
         print(
-            f'{case}: process {r} raised {o["error"]} after {o["steps"]} steps ({wall:.1f} s launch): {o["message"].splitlines()[-1][:240]}'
+            f'{case}: process {r} raised {o["error"]} after {o["steps"]} steps ({wall:.1f} s launch): '
+            f'{o["message"].splitlines()[-1][:240]}'
         )
         assert o['error'] == 'ProcessesDisagree' and says in o['message'] and o['steps'] == 0, o

@@ -1,7 +1,8 @@
-"""The patch layer's event dispatch, used while an accumulation callback runs a fit, against fastai's own: the same fit run
-twice, once with fastai's `Learner.__call__`/`_call_one` put back, records every call of every callback (event, callback,
-`training`, iteration), including cancels, a callback added and one removed mid-fit, `run=False`, `run_train=False`, an
-overridden `__call__`, a method set on an instance, and an exception a callback raises (same type, same message)."""
+"""The patch layer's event dispatch, used while an accumulation callback runs a fit, against fastai's own: the same fit
+run twice, once with fastai's `Learner.__call__`/`_call_one` put back, records every call of every callback (event,
+callback, `training`, iteration), including cancels, a callback added and one removed mid-fit, `run=False`,
+`run_train=False`, an overridden `__call__`, a method set on an instance, and an exception a callback raises (same type,
+same message)."""
 
 import contextlib
 import pytest
@@ -146,7 +147,8 @@ def test_same_exception_as_fastai(name):
 @pytest.mark.slow
 @pytest.mark.parametrize('name', list(SPLITTERS))
 def test_learners_are_freed(name):
-    "Nothing of the library keeps a Learner (and its model, on a GPU its memory) alive: built only, or after a fit and get_preds"
+    ("Nothing of the library keeps a Learner (and its model, on a GPU its memory) alive: built only, or after a fit "
+     "and get_preds")
     import gc, weakref
     def freed(use):
         learn = digits_learner(32, n_train=128, cbs=SPLITTERS[name]())
@@ -175,8 +177,9 @@ def test_fastai_dispatch_without_accumulation():
     assert n[0] == 0
 
 def test_batch_on_device_as_fastai_sets_it():
-    """While accumulating, `one_batch` gives fastai's `_set_device` result without rebuilding a batch already where fastai
-    would move it (`patches._on_device`): the same tensors. Any other batch or Learner goes through fastai's own"""
+    """While accumulating, `one_batch` gives fastai's `_set_device` result without rebuilding a batch already where
+    fastai would move it (`patches._on_device`): the same tensors. Any other batch or Learner goes through fastai's
+    own"""
     learn = digits_learner(16)
     b = learn.dls.train.one_batch()
     assert type(b) is tuple and all(x is y for x,y in zip(patches._on_device(learn, b), learn._set_device(b)))

@@ -85,9 +85,9 @@ def reference(case):
 def max_diff(a, b): return max((p-q).abs().max().item() for p,q in zip(a, b))
 
 def default_orders(n_epoch:int=W.ONE_CYCLE['n_epoch'], world:int=2)->list:
-    """Each process's sample indices, epoch by epoch (`[epoch][rank]`), under fastai's `DistributedDL`, found without it:
-    rank 0's training loader shuffles (seeded as the workers seed it), the order is padded to a multiple of the world
-    size by repeating its start, and each process takes its slice"""
+    """Each process's sample indices, epoch by epoch (`[epoch][rank]`), under fastai's `DistributedDL`, found without
+    it: rank 0's training loader shuffles (seeded as the workers seed it), the order is padded to a multiple of the
+    world size by repeating its start, and each process takes its slice"""
     dl,out = digits_default_dls(W.MICRO_BS).train,[]
     for _ in range(n_epoch):
         dl.randomize() # what every iteration of a fastai loader starts with, then `get_idxs`
@@ -98,7 +98,8 @@ def default_orders(n_epoch:int=W.ONE_CYCLE['n_epoch'], world:int=2)->list:
     return out
 
 def sampler_orders(case:str, n_epoch:int=W.ONE_CYCLE['n_epoch'], world:int=2)->list:
-    "Each process's sample indices, epoch by epoch, from PyTorch's `DistributedSampler` as the `sampler_*` cases build it"
+    ("Each process's sample indices, epoch by epoch, from PyTorch's `DistributedSampler` as the `sampler_*` cases "
+     "build it")
     out = []
     for e in range(n_epoch):
         ss = [torch.utils.data.DistributedSampler(range(W.SAMPLER_N), num_replicas=world, rank=r, shuffle=True, seed=0,
@@ -110,10 +111,11 @@ def sampler_orders(case:str, n_epoch:int=W.ONE_CYCLE['n_epoch'], world:int=2)->l
 def expected_orders(case:str)->list: return sampler_orders(case) if case in W.SAMPLERS else default_orders()
 
 def twin(case:str, orders:list)->dict:
-    """One process stepping on the global windows of `case`'s two processes, whose sample indices were `orders[epoch][rank]`:
-    fastai's loop with no accumulation on batches that are the global windows (`GradientAccumulation`), or the global
-    batches (`MicroBatching`); for the schedule, `GradientAccumulationSchedule` with windows twice as large on micro-batches
-    that are both processes' micro-batch `i`. Same model, optimizer and `fit_one_cycle` as the workers"""
+    """One process stepping on the global windows of `case`'s two processes, whose sample indices were
+    `orders[epoch][rank]`: fastai's loop with no accumulation on batches that are the global windows
+    (`GradientAccumulation`), or the global batches (`MicroBatching`); for the schedule, `GradientAccumulationSchedule`
+    with windows twice as large on micro-batches that are both processes' micro-batch `i`. Same model, optimizer and
+    `fit_one_cycle` as the workers"""
     if case in W.SAMPLERS:
         bs, (window, kind), drop, n = W.MICRO_BS, (W.ACCUM_BS, None), W.SAMPLERS[case]['loader_drop'], W.SAMPLER_N
     else: bs,(window,kind),drop,n = W.DEFAULTS[case][1],W.TWINS[case],True,1500
@@ -132,7 +134,8 @@ def hp_diff(a:dict, b:dict, hp:str)->float:
     return max(abs(x[hp]-y[hp]) for x,y in zip(a['hps'], b['hps']))
 
 def compare_with_twin(r0:dict, r1:dict, case:str)->tuple:
-    "The largest lr and parameter differences of a two-process run from its one-process twin, after checking the sample orders"
+    ("The largest lr and parameter differences of a two-process run from its one-process twin, after checking the "
+     "sample orders")
     orders = expected_orders(case)
     for r in (r0, r1): assert len(r['orders']) == len(orders)
     # the workers trained on these samples
@@ -186,7 +189,8 @@ def test_effective_batch_is_logged_once_by_rank_0(runs):
     assert lines == [f"{l} (see {doc_link('global-bs')})" for l in expected]
 
 def test_windows_that_cannot_line_up_raise_instead_of_hanging(runs):
-    "Loaders of 10 and 9 micro-batches: DDP would wait forever for an all-reduce; both processes raise at `before_train`"
+    ("Loaders of 10 and 9 micro-batches: DDP would wait forever for an all-reduce; both processes raise at "
+     "`before_train`")
     res,_ = runs
     for r in res['mismatch']: # every process names every process's count
         assert 'different numbers of micro-batches' in r['error'] and 'would wait forever' in r['error']
@@ -194,8 +198,9 @@ def test_windows_that_cannot_line_up_raise_instead_of_hanging(runs):
 
 @pytest.mark.parametrize('case', ['buckets', 'buckets_unsized'])
 def test_bucketed_sizes_close_windows_together(runs, case):
-    """Sizes [16]*8 on one process, [8]*7+[72] on the other (a sized batch sampler whose plans differ, or one that cannot be
-    read ahead): the processes add up each micro-batch's samples and close every window on the same micro-batch, exactly"""
+    """Sizes [16]*8 on one process, [8]*7+[72] on the other (a sized batch sampler whose plans differ, or one that
+    cannot be read ahead): the processes add up each micro-batch's samples and close every window on the same
+    micro-batch, exactly"""
     res,_ = runs
     r0,r1 = res[case]
     assert r0['plan'] is None and r1['plan'] is None # closed on the global count, not on a per-process plan
@@ -211,7 +216,8 @@ def test_bucketed_sizes_close_windows_together(runs, case):
 
 
 def test_a_plan_read_ahead_that_proves_wrong_stops_every_process(runs):
-    "Both processes planned [16]*8 from a copy of their batch sampler; process 1's then yields [8]*7+[72]: both raise at once"
+    ("Both processes planned [16]*8 from a copy of their batch sampler; process 1's then yields [8]*7+[72]: both "
+     "raise at once")
     res,_ = runs
     for r in res['drift']:
         assert "1 of the 2 processes' training loaders yielded a micro-batch their plan did not expect" in r['error']
@@ -219,10 +225,10 @@ def test_a_plan_read_ahead_that_proves_wrong_stops_every_process(runs):
     assert 'process 1: 8 samples, planned 16' in res['drift'][1]['error']
 
 def test_a_loader_that_breaks_its_plan_stops_every_process(tmp_path):
-    """A fastai loader's sizes are known ahead from its `bs` and length ([16]*8 on both processes), but process 1's yields
-    [8]*7+[72]: that process raises at its first micro-batch, naming the sizes, and the launch ends then. Process 0, already
-    in the window's all-reduce, is ended by torchrun, not by a timeout: the process-group timeout is 120 s here, and the
-    whole launch is given 60 s, so a hang fails the test"""
+    """A fastai loader's sizes are known ahead from its `bs` and length ([16]*8 on both processes), but process 1's
+    yields [8]*7+[72]: that process raises at its first micro-batch, naming the sizes, and the launch ends then. Process
+    0, already in the window's all-reduce, is ended by torchrun, not by a timeout: the process-group timeout is 120 s
+    here, and the whole launch is given 60 s, so a hang fails the test"""
     cmd = [
         sys.executable,
         '-m',
@@ -255,12 +261,14 @@ def check_samples_run(res, how):
     assert r0['n_steps'] == r1['n_steps'] == r0['n_allreduce'] == 6
 
 def check_default_runs(res, how):
-    "The `default_*` cases (each callback on fastai's default loaders), however they were launched, equal one process on the global windows"
+    ("The `default_*` cases (each callback on fastai's default loaders), however they were launched, equal one "
+     "process on the global windows")
     for case in W.DEFAULTS:
         r0,r1 = res[case]
         lr,mom,d,ref = compare_with_twin(r0, r1, case)
         print(
-            f'{how}, {case}: {r0["n_steps"]} steps; max |lr diff| {lr:.2g}, max |param diff| {d:.2g} vs one process on the global windows'
+            f'{how}, {case}: {r0["n_steps"]} steps; max |lr diff| {lr:.2g}, max |param diff| {d:.2g} vs one process '
+            f'on the global windows'
         )
         assert r0['n_steps'] == r1['n_steps'] == ref['n_steps']
         assert lr < 1e-12 and mom < 1e-12 and d < 1e-8
@@ -305,9 +313,10 @@ def _nbclient():
 )
 @pytest.mark.slow
 def test_notebook_launcher(tmp_path):
-    """`notebook_launcher(train, num_processes=2)` with `distrib_ctx(in_notebook=True)`, from a notebook that a real Jupyter
-    kernel executes (`tests/notebook_launcher.ipynb`): each callback on fastai's default loaders equals one process on the
-    global windows. Bounded: each cell by nbclient's timeout, each collective by the process-group timeout"""
+    """`notebook_launcher(train, num_processes=2)` with `distrib_ctx(in_notebook=True)`, from a notebook that a real
+    Jupyter kernel executes (`tests/notebook_launcher.ipynb`): each callback on fastai's default loaders equals one
+    process on the global windows. Bounded: each cell by nbclient's timeout, each collective by the process-group
+    timeout"""
     nbclient,nbformat = _nbclient()
     nb = nbformat.read(os.path.join(HERE, 'notebook_launcher.ipynb'), as_version=4)
     env = dict(
@@ -367,7 +376,8 @@ DEFAULT_STEPS = {'default_ga': 33, 'default_micro': 33, 'sampler_pad': 33, 'samp
 def test_default_loaders_match_one_process(runs, case):
     """fastai's default loaders under `distrib_ctx` (`DistributedDL`: shuffled, each process dropping its short last
     micro-batch, `len` rounded up) and PyTorch's `DistributedSampler` (padding, or cutting, 1,499 samples) with
-    `fit_one_cycle`: every step's hyper-parameters and the final weights are those of one process on the global windows"""
+    `fit_one_cycle`: every step's hyper-parameters and the final weights are those of one process on the global
+    windows"""
     res,_ = runs
     r0,r1 = res[case]
     lr,mom,d,ref = compare_with_twin(r0, r1, case)
@@ -394,9 +404,9 @@ def uneven_drop_reference():
     return ref
 
 def test_uneven_last_windows_dropped_on_every_process(runs):
-    """Loaders of 192 and 180 samples with `drop_last=True`: process 0's last window is full, process 1's short, so their
-    plans differ and they close windows on the global count; the global last window (116 of 128 samples) is short, and
-    both processes drop it, as the large batch's loader would"""
+    """Loaders of 192 and 180 samples with `drop_last=True`: process 0's last window is full, process 1's short, so
+    their plans differ and they close windows on the global count; the global last window (116 of 128 samples) is short,
+    and both processes drop it, as the large batch's loader would"""
     res,_ = runs
     r0,r1 = res['uneven_drop']
     ref = uneven_drop_reference()

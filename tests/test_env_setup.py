@@ -42,7 +42,8 @@ def test_requirements_are_the_tested_range():
     assert {r.name for r in reqs} == {'fastai', 'torch', 'fastcore', 'accelerate'}
 
 def test_torch_index_named_is_used_as_given(capsys):
-    assert torch_index.main('https://download.pytorch.org/whl/cu126') == '--index-url https://download.pytorch.org/whl/cu126'
+    assert (torch_index.main('https://download.pytorch.org/whl/cu126')
+            == '--index-url https://download.pytorch.org/whl/cu126')
     assert 'TORCH_INDEX=https://download.pytorch.org/whl/cu126' in capsys.readouterr().err
 
 def test_torch_index_unreachable_falls_back_fast(monkeypatch, capsys):

@@ -1,7 +1,7 @@
-"""Fail fast: when a fit raises on one process of a torchrun launch (gloo, CPU), every other process stops within seconds
-with `PeerProcessFailed`, which names the process that failed and its error, whether or not the failing process's script
-catches it; before, a caught error left them in a collective until the process-group timeout. The worker is
-`failfast_worker.py`."""
+"""Fail fast: when a fit raises on one process of a torchrun launch (gloo, CPU), every other process stops within
+seconds with `PeerProcessFailed`, which names the process that failed and its error, whether or not the failing
+process's script catches it; before, a caught error left them in a collective until the process-group timeout. The
+worker is `failfast_worker.py`."""
 import json, os, signal, subprocess, sys, time
 import pytest
 pytestmark = [pytest.mark.multiprocess]
@@ -18,7 +18,8 @@ STOP_WITHIN = 30
 LIVE_S = 45 # `failfast_worker.LIVE_S`: how long the failing process of the `lives` cases goes on
 
 def launch(tmp_path, case, fail_rank, n):
-    "Launch the worker's `case` on `n` processes: each process's record (but a killed one's), when it failed, the launch's seconds"
+    ("Launch the worker's `case` on `n` processes: each process's record (but a killed one's), when it failed, the "
+     "launch's seconds")
     # torchrun ends the other workers when one exits: checked every 15 s here (60 s when one is killed), so that a peer
     # raises
     # and records what it saw first
@@ -57,7 +58,8 @@ def launch(tmp_path, case, fail_rank, n):
     return res,failed_at,wall,p
 
 def stopped(o, fail_rank, n, r):
-    "Process `r`'s error names the process that failed, and says where it stopped: before a collective (the group stays) or in one"
+    ("Process `r`'s error names the process that failed, and says where it stopped: before a collective (the group "
+     "stays) or in one")
     assert o['error'] == 'PeerProcessFailed', o
     assert o['message'].startswith(f'Process {fail_rank} of {n} failed in its fit with ValueError: ')
     assert f'a bad batch at micro-batch 5 on process {fail_rank}' in o['message']
@@ -98,7 +100,8 @@ def test_peers_stop_within_seconds_and_say_why(tmp_path, case, fail_rank, n):
                 float((tmp_path / 'all-failed_at').read_text()),
             )
             print(
-                f'apart: process 1 raised; the fits ended {t[1] - t1:.1f} s (process 1) and {t[0] - t1:.1f} s (process 0) later, each with its error, the group kept'
+                f'apart: process 1 raised; the fits ended {t[1] - t1:.1f} s (process 1) and {t[0] - t1:.1f} s '
+                f'(process 0) later, each with its error, the group kept'
             )
             # process 1 waited for process 0's error (15 s), more than `GRACE_S`
             assert t[1] - t1 > 12 and t[0] - t1 > 12
@@ -112,7 +115,8 @@ def test_peers_stop_within_seconds_and_say_why(tmp_path, case, fail_rank, n):
         if r == fail_rank: continue
         o = res[r]
         print(
-            f'{case}, process {fail_rank} of {n} failed: process {r} stopped {o["t"] - failed_at:.2f} s later with {o["error"]}: {o["message"][-120:]!r}'
+            f'{case}, process {fail_rank} of {n} failed: process {r} stopped {o["t"] - failed_at:.2f} s later with '
+            f'{o["error"]}: {o["message"][-120:]!r}'
         )
         stopped(o, fail_rank, n, r)
         if (
@@ -126,13 +130,14 @@ def test_peers_stop_within_seconds_and_say_why(tmp_path, case, fail_rank, n):
 
 @pytest.mark.parametrize('n,killed', [(2, 1), (4, 2)])
 def test_a_killed_process_is_named(tmp_path, n, killed):
-    """Process `killed` is killed (SIGKILL) mid-fit: it reports nothing, and each other process names it, not a peer whose
-    collective failed after it (before: the survivor raised gloo's 'Connection closed by peer' and named no process; on 4
-    processes, processes 0 and 1 named process 3)"""
+    """Process `killed` is killed (SIGKILL) mid-fit: it reports nothing, and each other process names it, not a peer
+    whose collective failed after it (before: the survivor raised gloo's 'Connection closed by peer' and named no
+    process; on 4 processes, processes 0 and 1 named process 3)"""
     res,failed_at,wall,p = launch(tmp_path, 'killed', killed, n)
     for r,o in res.items():
         print(
-            f'process {killed} of {n} killed: process {r} stopped {o["t"] - failed_at:.2f} s later with {o["error"]}: {o["message"][:300]}'
+            f'process {killed} of {n} killed: process {r} stopped {o["t"] - failed_at:.2f} s later with {o["error"]}: '
+            f'{o["message"][:300]}'
         )
         assert o['error'] == 'PeerProcessFailed' and f'process {killed} of {n} reported nothing' in o['message'], o
         others = [str(q) for q in range(n) if q != killed]
@@ -142,7 +147,8 @@ def test_a_killed_process_is_named(tmp_path, n, killed):
         assert 0 < o['t'] - failed_at < STOP_WITHIN
 
 def interrupt(tmp_path, n=2):
-    "Ctrl-C on a torchrun launch mid-fit (SIGINT to its process group, as a terminal sends it): seconds until torchrun ended, and the records"
+    ("Ctrl-C on a torchrun launch mid-fit (SIGINT to its process group, as a terminal sends it): seconds until "
+     "torchrun ended, and the records")
     cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--master_addr=127.0.0.1',
            f'--master_port={free_port()}', WORKER, str(tmp_path), 'interrupt', '0']
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -167,8 +173,9 @@ def interrupt(tmp_path, n=2):
     return took,res,t0
 
 def test_ctrl_c_stops_every_process_at_once(tmp_path):
-    """Ctrl-C on torchrun: every process stops within a few seconds, none waits in a collective for one that was interrupted
-    (before: 14.3 s here, 21 s in the issue: a process sat in DDP's all-reduce until the first one's 10 s wait ended)"""
+    """Ctrl-C on torchrun: every process stops within a few seconds, none waits in a collective for one that was
+    interrupted (before: 14.3 s here, 21 s in the issue: a process sat in DDP's all-reduce until the first one's 10 s
+    wait ended)"""
     took,res,t0 = interrupt(tmp_path)
     print(
         f'Ctrl-C: torchrun ended {took:.1f} s later; '
@@ -181,16 +188,17 @@ def test_ctrl_c_stops_every_process_at_once(tmp_path):
     assert took < 10
 
 def test_a_sharded_model_after_a_failed_fit(tmp_path):
-    """FSDP2 (`sharded_ctx`): after an error every process raised, the group stays and every process's `learn.save` gathers
-    the whole plain model; after one process's error destroyed the group, `learn.save` says why it cannot (before: torch's
-    'Default process group has not been initialized')"""
+    """FSDP2 (`sharded_ctx`): after an error every process raised, the group stays and every process's `learn.save`
+    gathers the whole plain model; after one process's error destroyed the group, `learn.save` says why it cannot
+    (before: torch's 'Default process group has not been initialized')"""
     res,failed_at,wall,p = launch(tmp_path, 'sharded', 1, 2)
     from fastxtend_accum.test_utils import digits_mlp
     keys = sorted(digits_mlp().state_dict())
     for r in range(2):
         o = json.loads((tmp_path/f'all-rank{r}.json').read_text())
         print(
-            f'every process failed: process {r}: {o["error"]}, save: {o["save"] or "the whole model, " + str(len(o["keys"])) + " tensors"}'
+            f'every process failed: process {r}: {o["error"]}, save: '
+            f'{o["save"] or "the whole model, " + str(len(o["keys"])) + " tensors"}'
         )
         assert o['error'] == 'ValueError' and o['save'] is None and o['keys'] == keys, o
         o = res[r]

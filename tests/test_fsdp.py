@@ -1,7 +1,7 @@
 """Sharded models (torchrun, gloo, CPU): FSDP2 and FSDP1 on 2 processes, HSDP (FSDP2 on a 2x2 mesh) on 4, with
-`GradientAccumulation`, `GradientAccumulationSchedule` and `MicroBatching`, reach the parameters and losses of ONE process
-stepping on the global windows, in float64 within 1e-8, with the collectives each `grad_sync` promises. The workers are
-`fsdp_worker.py`; `python tests/test_fsdp.py` prints every case's figures."""
+`GradientAccumulation`, `GradientAccumulationSchedule` and `MicroBatching`, reach the parameters and losses of ONE
+process stepping on the global windows, in float64 within 1e-8, with the collectives each `grad_sync` promises. The
+workers are `fsdp_worker.py`; `python tests/test_fsdp.py` prints every case's figures."""
 import os, subprocess, sys
 import pytest, torch
 pytestmark = [pytest.mark.multiprocess]
@@ -119,7 +119,8 @@ def check_case(case:str, rs:list):
     "Exact against one process, the collectives `grad_sync` promises, the gradient memory it promises"
     spec,f = W.parse(case),compare(case, rs)
     print(
-        f"{case}: max |param diff| {f['param_diff']:.3g}, max |loss diff| {f['loss_diff']:.3g} over {f['n_steps']} steps; "
+        f"{case}: max |param diff| {f['param_diff']:.3g}, max |loss diff| {f['loss_diff']:.3g} over {f['n_steps']} "
+        f"steps; "
         f"collectives {rs[0]['collectives']}; peak gradient {rs[0]['peak_grad_bytes']:,} B"
     )
     exp = expected_steps(case, len(rs))
@@ -147,10 +148,12 @@ def test_hsdp_matches_one(hsdp_runs, case):
 
 @pytest.mark.parametrize('case', [c for c in W.CASES if W.parse(c)['variant'] == 'local'])
 def test_local_counts_are_not_exact(runs, case):
-    "The tests have teeth: each process weighting and correcting by its own counts (the library before) is measurably off"
+    ("The tests have teeth: each process weighting and correcting by its own counts (the library before) is "
+     "measurably off")
     f = compare(case, runs[case])
     print(
-        f"{case}: counts not summed over processes: max |param diff| {f['param_diff']:.3g}, max |loss diff| {f['loss_diff']:.3g}"
+        f"{case}: counts not summed over processes: max |param diff| {f['param_diff']:.3g}, max |loss diff| "
+        f"{f['loss_diff']:.3g}"
     )
     assert f['param_diff'] > 1e-6
 
@@ -158,7 +161,8 @@ def test_local_counts_are_not_exact(runs, case):
                                          ('fsdp1-ga-mismatch-tsgd', 'process 0 has 10, process 1 has 9'),
                                          ('fsdp2-mb-fewer-sgd', 'process 0 has 3, process 1 has 2')])
 def test_windows_that_cannot_line_up_raise_on_every_process(runs, case, counts):
-    "Loaders of 10 and 9 micro-batches (3 and 2 batches): gloo would abort mid-window; every process raises at `before_train`"
+    ("Loaders of 10 and 9 micro-batches (3 and 2 batches): gloo would abort mid-window; every process raises at "
+     "`before_train`")
     unit = 'batches' if W.parse(case)['algo'].startswith('mb') else 'micro-batches'
     for r in runs[case]:
         print(f"{case}: {r['seconds']:.3f} s: {r['error'].splitlines()[-1]}")
@@ -168,7 +172,8 @@ def test_windows_that_cannot_line_up_raise_on_every_process(runs, case, counts):
         assert r['n_backward'] == 0 and r['seconds'] < 5 # before any forward, within seconds
 
 def test_micro_batching_will_not_search_on_a_sharded_model(runs):
-    "An out-of-memory error on one process mid-forward would leave the others in an all-gather: 'auto' is refused up front"
+    ("An out-of-memory error on one process mid-forward would leave the others in an all-gather: 'auto' is refused up "
+     "front")
     for r in runs['fsdp2-mb-uneven-sgd-search']:
         assert (
             "MicroBatching(micro_bs='auto') cannot search for a size on a sharded model" in r['error']
@@ -191,14 +196,16 @@ def figures(cases:list[str], nproc:int):
         if 'error' in rs[0]:
             secs = ', '.join(f"{r['seconds']:.3f} s" for r in rs)
             print(
-                f"{c}: raised on every process after {secs}: {rs[0]['error'].splitlines()[-1] if rs[0]['error'] else 'no error'}"
+                f"{c}: raised on every process after {secs}: "
+                f"{rs[0]['error'].splitlines()[-1] if rs[0]['error'] else 'no error'}"
             )
             continue
         f,n = compare(c, rs),len(rs[0]['steps'])
         per = ', '.join(f"{k.removeprefix('engine_')}s {v/n:.2f}" for k,v in sorted(rs[0]['collectives'].items())
                         if k.startswith('engine') and not k.endswith('bytes'))
         print(
-            f"{c}: max |param diff| {f['param_diff']:.2e}, max |loss diff| {f['loss_diff']:.2e} ({f['n_steps']} steps); "
+            f"{c}: max |param diff| {f['param_diff']:.2e}, max |loss diff| {f['loss_diff']:.2e} ({f['n_steps']} "
+            f"steps); "
             f"per window: {per}; peak gradient {rs[0]['peak_grad_bytes']:,} B"
         )
 

@@ -1,7 +1,7 @@
-"""`global_bs=True`: `accum_bs` (a schedule's sizes) count the samples of an optimizer step over all processes. The same script
-on one process and on two (torchrun, gloo, CPU) takes the same optimizer steps, with the same samples per step and the same
-lr per step; on the same global windows, it ends with the same weights (float64, 1e-8). The worker is `global_bs_worker.py`;
-the one-process checks without a launcher are at the end."""
+"""`global_bs=True`: `accum_bs` (a schedule's sizes) count the samples of an optimizer step over all processes. The same
+script on one process and on two (torchrun, gloo, CPU) takes the same optimizer steps, with the same samples per step
+and the same lr per step; on the same global windows, it ends with the same weights (float64, 1e-8). The worker is
+`global_bs_worker.py`; the one-process checks without a launcher are at the end."""
 import os, subprocess, sys, warnings
 from collections import Counter
 from types import SimpleNamespace
@@ -91,7 +91,8 @@ def test_same_steps_samples_and_lr(runs, case):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize('case', [c for c in TRAINED if c.endswith('_dealt')])
 def test_same_global_windows_same_weights(runs, case):
-    "On the same global windows (the two processes' windows are dealt from one process's order, `dealing`), the same weights"
+    ("On the same global windows (the two processes' windows are dealt from one process's order, `dealing`), the same "
+     "weights")
     res,_ = runs
     (one,),(r0,r1) = res[case][1],res[case][2]
     d = max(float((p-q).abs().max()) for p,q in zip(r0['params'], one['params']))
@@ -117,8 +118,9 @@ def test_world_size_is_known_at_before_fit(runs):
 
 @pytest.mark.multiprocess
 def test_distrib_ctx_sets_up_the_process_group_before_the_fit(tmp_path):
-    """A script that leaves the process group to `distrib_ctx` (fastai's DistributedTrainer builds an `Accelerator`, which
-    sets it up when `distrib_ctx` is entered, before `fit`): the world size is known at `before_fit` all the same"""
+    """A script that leaves the process group to `distrib_ctx` (fastai's DistributedTrainer builds an `Accelerator`,
+    which sets it up when `distrib_ctx` is entered, before `fit`): the world size is known at `before_fit` all the
+    same"""
     run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
          f'--master_port={free_port()}', WORKER, str(tmp_path), '2', 'ga'], env=dict(ENV, FXA_NO_INIT='1'))
     for r in range(2):
@@ -142,14 +144,17 @@ def test_indivisible_message(runs):
     ]
     for r in res['gas_indivisible_dealt'][2]:
         assert r['messages'] == [
-            '`start_accum_bs`=100 is not a multiple of the micro-batch size 16 x 2 processes = 32 (global_bs=True): its '
+            '`start_accum_bs`=100 is not a multiple of the micro-batch size 16 x 2 processes = 32 (global_bs=True): '
+            'its '
             'windows hold 128 samples (64 per process)' + see('start_accum_bs'),
-            '`final_accum_bs`=200 is not a multiple of the micro-batch size 16 x 2 processes = 32 (global_bs=True): its '
+            '`final_accum_bs`=200 is not a multiple of the micro-batch size 16 x 2 processes = 32 (global_bs=True): '
+            'its '
             'windows hold 224 samples (112 per process)' + see('final_accum_bs'),
         ]
     for r in res['gas_below'][2]:
         assert (
-            '`start_accum_bs`=16 is below the micro-batch size 16 x 2 processes = 32 (global_bs=True): a window holds at '
+            '`start_accum_bs`=16 is below the micro-batch size 16 x 2 processes = 32 (global_bs=True): a window holds '
+            'at '
             'least one micro-batch on each process'
         ) in r['error']
 
@@ -159,7 +164,8 @@ def test_a_model_not_trained_over_every_process_raises(runs):
     res,_ = runs
     for r in res['unwrapped'][2]:
         assert (
-            "`global_bs=True` shares accum_bs=128 over the 2 processes of torch.distributed's default process group, but "
+            "`global_bs=True` shares accum_bs=128 over the 2 processes of torch.distributed's default process group, "
+            "but "
             "the model (Sequential) trains on 1"
         ) in r['error'] and r['steps'] == []
 
@@ -169,7 +175,8 @@ def test_rank_0_prints_the_global_batch_once(runs):
     lines = [l for l in out.splitlines() if 'samples per optimizer step' in l]
     link = f" (see {doc_link('global-bs')})"
     g = lambda name, bs: (
-        f'{name}: accum_bs={bs} samples per optimizer step (global_bs=True) = {bs // 2} samples per process x 2 processes{link}'
+        f'{name}: accum_bs={bs} samples per optimizer step (global_bs=True) = {bs // 2} samples per process x 2 '
+        f'processes{link}'
     )
     GA,GAS = 'GradientAccumulation','GradientAccumulationSchedule'
     assert lines == [g(GA, 128), g(GAS, 256), g(GA, 128), g(GAS, 256), g(GAS, 256), g(GA, 100), g(GAS, 100),
@@ -217,7 +224,8 @@ def test_one_process_indivisible_keeps_its_message():
         warnings.simplefilter('always')
         fit(GradientAccumulation(100, global_bs=True))
     assert [str(o.message) for o in w if 'divide' in str(o.message)] == [
-        'Micro-batches of 16 samples do not divide accum_bs=100: windows close at 112 samples, and each step uses the mean '
+        'Micro-batches of 16 samples do not divide accum_bs=100: windows close at 112 samples, and each step uses the '
+        'mean '
         'gradient over its window' + SEE_SIZE
     ]
 

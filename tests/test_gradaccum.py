@@ -90,7 +90,8 @@ class Unmeasurable(torch.utils.data.BatchSampler):
         import threading; self.lock = threading.Lock()
 
 def test_sizes_unknown_ahead():
-    "A batch sampler that cannot be read ahead still gives exact windows; progress counts micro-batches, said once per fit"
+    ("A batch sampler that cannot be read ahead still gives exact windows; progress counts micro-batches, said once "
+     "per fit")
     sampler = Unmeasurable(torch.utils.data.SequentialSampler(range(N_TRAIN)), 16, False)
     learn = sampler_learner(sampler, [GradientAccumulation(64)])
     with warnings.catch_warnings(record=True) as w:
@@ -133,19 +134,21 @@ def sizes_unknown_runs(kind:str)->tuple:
 
 @pytest.mark.parametrize('kind', ['ga', 'gas'])
 def test_sizes_unknown_ahead_follow_fastais_schedule(kind):
-    """Sizes not known ahead, with a schedule: training progress advances with every micro-batch, and each window trains with
-    the hyper-parameters fastai's own loop gives that window's first micro-batch, as the warning says"""
+    """Sizes not known ahead, with a schedule: training progress advances with every micro-batch, and each window trains
+    with the hyper-parameters fastai's own loop gives that window's first micro-batch, as the warning says"""
     expected,got = sizes_unknown_runs(kind)
     test_eq(len(got), len(expected))
     for hp in ('lr', 'mom'):
         d = max(abs(a[hp]-b[hp]) for a,b in zip(got, expected))
         print(
-            f'{kind}, sizes not known ahead: max |{hp} diff| {d:.2g} from fastai\'s own at each window\'s first micro-batch'
+            f'{kind}, sizes not known ahead: max |{hp} diff| {d:.2g} from fastai\'s own at each window\'s first '
+            f'micro-batch'
         )
         assert d < 1e-12
 
 class Buckets:
-    "A length-bucketing batch sampler: a permutation from PyTorch's global random state, cut into batches of `sizes` in turn"
+    ("A length-bucketing batch sampler: a permutation from PyTorch's global random state, cut into batches of `sizes` "
+     "in turn")
 
     def __init__(self, n, sizes): self.n,self.sizes = n,sizes
     def _cuts(self):
@@ -168,7 +171,8 @@ class Windows:
     def __len__(self): return WindowPlan([b-a for a,b in self.inner._cuts()], self.accum_bs).n_windows
 
 def test_sized_batch_sampler_is_planned(monkeypatch):
-    "A sized, shuffling batch sampler: windows planned from a copy, so fit_one_cycle's hyper-parameters are per optimizer step, exactly"
+    ("A sized, shuffling batch sampler: windows planned from a copy, so fit_one_cycle's hyper-parameters are per "
+     "optimizer step, exactly")
 
     def fit_seeded(learn):
         torch.manual_seed(1)
@@ -186,7 +190,8 @@ def test_sized_batch_sampler_is_planned(monkeypatch):
         unplanned = fit_seeded(sampler_learner(Buckets(N_TRAIN, sizes), [GradientAccumulation(64)]))
     d = max(abs(a-b) for a,b in zip(unplanned.recorder.lrs, large.recorder.lrs))
     print(
-        f'lr per step, sized batch sampler: planned {max(abs(a - b) for a, b in zip(accum.recorder.lrs, large.recorder.lrs)):.1e}, '
+        f'lr per step, sized batch sampler: planned '
+        f'{max(abs(a - b) for a, b in zip(accum.recorder.lrs, large.recorder.lrs)):.1e}, '
         f'progress in micro-batches {d:.1e} (peak lr 0.1)'
     )
     assert d > 1e-3 # the test has teeth
@@ -218,7 +223,8 @@ def test_every_dropped_window_is_reported(how):
     test_eq(
         msgs,
         [
-            f"Epoch {e}: training stopped mid-window, after {held} samples: that window's gradients were dropped (no optimizer step) "
+            f"Epoch {e}: training stopped mid-window, after {held} samples: that window's gradients were dropped (no "
+            f"optimizer step) "
             f"(see {doc_link('mid-window')})"
             for e in range(3)
         ],

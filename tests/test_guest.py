@@ -1,8 +1,8 @@
 """A guest in fastai (issue 36): importing the library changes no fastai class, module function or default; what an
 accumulating fit takes over is registered, installed on that one Learner for that fit, and given back however the fit
 ends; a Learner subclass that overrides a method the fit takes over is refused at `before_fit`, one whose `_step` or
-`_backward` is its own trains exactly; another library that replaced fastai's dispatch, `all_batches` or `export`, before or
-after this one is imported, keeps working and the fit stays exact. Against the large batch in float64."""
+`_backward` is its own trains exactly; another library that replaced fastai's dispatch, `all_batches` or `export`,
+before or after this one is imported, keeps working and the fit stays exact. Against the large batch in float64."""
 import os, subprocess, sys, textwrap
 import fastai.data.load
 import pytest
@@ -33,7 +33,8 @@ def python(code, prefix=''):
 SNAPSHOT = '''
 import sys, types
 sys.path.insert(0, 'tests')
-from figures_guest import snapshot # every attribute of every class, and every name, of the fastai modules imported; `defaults`
+from figures_guest import snapshot # every attribute of every class, and every name, of the fastai modules \
+imported; `defaults`
 def changed(before, after):
     "Keys whose value is another object, and keys added, among the modules imported before"
     mods = {k[0] for k in before if isinstance(k, tuple)}
@@ -44,7 +45,8 @@ def changed(before, after):
 '''
 
 def test_import_changes_nothing_of_fastai():
-    "Every fastai class and module function as fastai made them, `defaults.callbacks` too; the only additions are the registered ones"
+    ("Every fastai class and module function as fastai made them, `defaults.callbacks` too; the only additions are "
+     "the registered ones")
     out = python(prefix=SNAPSHOT, code='''
         from fastai.basics import *
         import fastai.callback.schedule, fastai.callback.progress, fastai.callback.training, fastai.callback.fp16
@@ -61,7 +63,8 @@ def test_import_changes_nothing_of_fastai():
     assert out.startswith('ok')
 
 def test_import_leaves_fastai_basics_quiet():
-    "fastai.basics with the library imported adds no progress bar to a quiet fit (fastai's 13a_learner tests print events)"
+    ("fastai.basics with the library imported adds no progress bar to a quiet fit (fastai's 13a_learner tests print "
+     "events)")
     python('''
         from fastai.basics import *
         cbs = list(defaults.callbacks)
@@ -71,7 +74,8 @@ def test_import_leaves_fastai_basics_quiet():
     ''')
 
 def test_fit_gives_everything_back():
-    "After a fit that accumulates (ended, cancelled, raised, interrupted) fastai's classes, the Learner's class and its callbacks are as before"
+    ("After a fit that accumulates (ended, cancelled, raised, interrupted) fastai's classes, the Learner's class and "
+     "its callbacks are as before")
     out = python(
         prefix=SNAPSHOT,
         code='''
@@ -95,7 +99,8 @@ def test_fit_gives_everything_back():
             for cb,d in cbs: assert not (set(vars(cb)) - set(d)) & events, (ex, type(cb), set(vars(cb)) - set(d))
             for cb,_ in cbs: assert not any(isinstance(v, functools.partial) for v in vars(cb).values()), (ex, cb)
             assert all(p.grad is None or not p.grad.any() for p in learn.model.parameters()), ex
-            for k in ('after_batch', '_device', 'device', 'create_batches'): # the training loader's own, for the epoch only
+            for k in ('after_batch', '_device', 'device', 'create_batches'): # the training loader's own, for the \
+epoch only
                 assert vars(learn.dls.train).get(k, 0) is dl.get(k, 0), (ex, k)
         diff, added = changed(before, snapshot())
         assert not diff and not [k for k in added if len(k) == 3], (diff, added)
@@ -177,7 +182,8 @@ def test_subclass_overriding_a_takeover_is_refused(cls, cb, name):
     assert all((p == q).all() for p,q in zip(learn.model.parameters(), before)) # refused before any step
 
 def test_microbatching_runs_a_subclass_do_one_batch_per_micro_batch():
-    "`MicroBatching` calls the Learner's own `_do_one_batch` for each micro-batch: exact, and called once per micro-batch of 16"
+    ("`MicroBatching` calls the Learner's own `_do_one_batch` for each micro-batch: exact, and called once per "
+     "micro-batch of 16")
     large = digits_learner(64)
     with large.no_logging(): large.fit_one_cycle(2, 1e-2)
     learn = _as(digits_learner(64), OwnDoOneBatch)
@@ -188,7 +194,8 @@ def test_microbatching_runs_a_subclass_do_one_batch_per_micro_batch():
 
 @pytest.mark.parametrize('cb', [lambda: GradientAccumulation(64), lambda: MicroBatching(16, verbose=False)])
 def test_subclass_stepping_in_do_one_batch_is_refused(cb):
-    "A `_do_one_batch` with its own backward and step, not `_do_grad_opt`: it would step per micro-batch; stopped at the first"
+    ("A `_do_one_batch` with its own backward and step, not `_do_grad_opt`: it would step per micro-batch; stopped at "
+     "the first")
     learn = _as(digits_learner(16 if 'Gradient' in repr(cb()) else 64), OwnStepInDoOneBatch)
     with learn.no_logging():
         test_fail(
@@ -224,7 +231,8 @@ for n in ('__call__', '_call_one', 'all_batches', 'export'): stand_in(n)
 
 @pytest.mark.parametrize('first', ['patcher', 'library'])
 def test_another_library_patching_fastai(first, tmp_path):
-    "A stand-in for fastxtend's profiler, imported before or after this library: it sees every event, and the fit is exact"
+    ("A stand-in for fastxtend's profiler, imported before or after this library: it sees every event, and the fit is "
+     "exact")
     lib = 'from fastxtend_accum.all import *\nfrom fastai.callback.schedule import *'
     out = python(
         prefix=PATCHER + lib + '\n' if first == 'patcher' else lib + '\n' + PATCHER,
@@ -240,7 +248,8 @@ def test_another_library_patching_fastai(first, tmp_path):
         assert d < 1e-10, d
         assert len(learn.recorder.losses) == len(large.recorder.losses)
         n = {{k: COUNTS.get(k, 0) - n0.get(k, 0) for k in COUNTS}}
-        assert n['_call_one'] > 4*n0['all_batches'], n # every micro-batch's events went through the other library's dispatch
+        assert n['_call_one'] > 4*n0['all_batches'], n # every micro-batch's events went through the other \
+library's dispatch
         assert n['all_batches'] == n0['all_batches'], n
         learn.path = Path({str(tmp_path)!r})
         learn.export('model.pkl')
@@ -271,7 +280,8 @@ def test_two_processes(tmp_path):
         assert r0['extra'] == r1['extra'] and r0['extra'] > 0, r0['extra']
 
 def test_lr_find_two_processes(tmp_path):
-    "Issue 37: `fit; lr_find; fit` with accumulation under DDP ends (it hung: process 0 alone loaded the weights, at a barrier)"
+    ("Issue 37: `fit; lr_find; fit` with accumulation under DDP ends (it hung: process 0 alone loaded the weights, at "
+     "a barrier)")
     import test_distributed as TD
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
            f'--master_port={TD.free_port()}', TD.WORKER, str(tmp_path), 'guest_lr_find']

@@ -1,12 +1,12 @@
 """The patch layer's item path (`Learner.all_batches`, `DataLoader.create_batches`): while a fit accumulates, a training
-loader whose `do_item` would give each sample as the dataset holds it yields its batches without fastai's per-item calls,
-and without fastai's `retain` where it would give the collated batch as it is (a first sample of plain tensors). Each fit
-here runs twice, once with fastai's own `all_batches`/`create_batches` put back, and must see the same batches (every
-tensor, its type, in order, bitwise), train to the same parameters and record the same losses: shuffled and in-order
-loaders, a short last batch kept or dropped, samples skipped (`SkipItemException`) or `None`, a loader with an item
-transform (and one given a transform mid-epoch, by a callback), a loader whose `do_item` or `retain` is its own, samples
-of fastai's tensor types (all, the first, all but the first), `MicroBatching`, a validation set, a fit that does not
-accumulate, and a fit that raises."""
+loader whose `do_item` would give each sample as the dataset holds it yields its batches without fastai's per-item
+calls, and without fastai's `retain` where it would give the collated batch as it is (a first sample of plain tensors).
+Each fit here runs twice, once with fastai's own `all_batches`/`create_batches` put back, and must see the same batches
+(every tensor, its type, in order, bitwise), train to the same parameters and record the same losses: shuffled and
+in-order loaders, a short last batch kept or dropped, samples skipped (`SkipItemException`) or `None`, a loader with an
+item transform (and one given a transform mid-epoch, by a callback), a loader whose `do_item` or `retain` is its own,
+samples of fastai's tensor types (all, the first, all but the first), `MicroBatching`, a validation set, a fit that does
+not accumulate, and a fit that raises."""
 import contextlib, sys
 import pytest
 from fastai.basics import *
@@ -23,7 +23,8 @@ def fastai_items():
 
 @contextlib.contextmanager
 def counting_held():
-    "Count the epochs whose items went the library's way (`_held_items`), the items it took as held, and fastai's `retain_types` calls in them"
+    ("Count the epochs whose items went the library's way (`_held_items`), the items it took as held, and fastai's "
+     "`retain_types` calls in them")
     import fastai.data.load as load
     n,f = {'epochs': 0, 'held': 0, 'retained': 0},patches._held_items
     ia,rt = patches._items_as_held,load.retain_types
@@ -74,7 +75,8 @@ def fit(make_dls, cb, cbs=(), epochs=2, fastai=False):
     return b.seen,[p.detach().clone() for p in learn.model.parameters()],list(learn.recorder.losses)
 
 def same_fit(make_dls, make_cb, cbs=lambda: (), epochs=2):
-    "The fit with the library's item path and with fastai's: the same batches, parameters and losses; how many epochs took items as held"
+    ("The fit with the library's item path and with fastai's: the same batches, parameters and losses; how many "
+     "epochs took items as held")
     with counting_held() as n: ours = fit(make_dls, make_cb(), cbs(), epochs)
     theirs = fit(make_dls, make_cb(), cbs(), epochs, fastai=True)
     (b1,p1,l1),(b2,p2,l2) = ours,theirs
@@ -108,7 +110,8 @@ def test_samples_as_held_same_fit(make_cb):
     assert n['retained'] == 0 # samples of plain tensors: fastai's `retain` would give each collated batch as it is
 
 def typed(items, first_only=False):
-    "The samples with fastai's tensor types (`TensorBase` inputs, `TensorCategory` targets): all of them, or the first only"
+    ("The samples with fastai's tensor types (`TensorBase` inputs, `TensorCategory` targets): all of them, or the "
+     "first only")
     return [
         (x.as_subclass(TensorBase), y.as_subclass(TensorCategory)) if i == 0 or not first_only else (x, y)
         for i, (x, y) in enumerate(items)
@@ -117,12 +120,14 @@ def typed(items, first_only=False):
 
 @pytest.mark.parametrize('first_only', [False, True], ids=['all', 'first'])
 def test_typed_samples_keep_fastais_types(first_only):
-    "fastai's `retain` casts a batch to its first sample's types: done where that sample holds a subclass, as fastai does"
+    ("fastai's `retain` casts a batch to its first sample's types: done where that sample holds a subclass, as fastai "
+     "does")
     n = same_fit(plain(typed(samples(100), first_only), shuffle=False), lambda: GradientAccumulation(32))
     assert n['epochs'] == 2 and n['held'] > 0 and n['retained'] > 0
 
 def test_plain_first_sample_then_typed_ones_alike():
-    "A batch whose first sample is plain and later ones typed: collated as fastai collates them, with no cast (as fastai's)"
+    ("A batch whose first sample is plain and later ones typed: collated as fastai collates them, with no cast (as "
+     "fastai's)")
     items = samples(100)
     items = [o if i % 16 == 0 else (o[0].as_subclass(TensorBase), o[1]) for i,o in enumerate(items)]
     n = same_fit(plain(items, shuffle=False), lambda: GradientAccumulation(32))

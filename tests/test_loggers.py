@@ -1,5 +1,5 @@
-"""Train with the real `WandbCallback` (offline) and `TensorBoardCallback`, read back the files they write, and check rows,
-steps and values against the Recorder, with and without `log_accum_batch`."""
+"""Train with the real `WandbCallback` (offline) and `TensorBoardCallback`, read back the files they write, and check
+rows, steps and values against the Recorder, with and without `log_accum_batch`."""
 import os, json, struct, subprocess, sys, time, zlib
 from pathlib import Path
 import pytest
@@ -19,7 +19,8 @@ from fastxtend_accum.test_utils import digits_learner
 _BLOCK,_HDR = 32768,7
 
 def wandb_records(path):
-    "Every `Record` in a `.wandb` file: 32 KiB blocks of (crc32, length, kind) chunks, a record split over FIRST/MIDDLE/LAST"
+    ("Every `Record` in a `.wandb` file: 32 KiB blocks of (crc32, length, kind) chunks, a record split over "
+     "FIRST/MIDDLE/LAST")
     data = Path(path).read_bytes()
     ident,magic,version = struct.unpack('<4sHB', data[:_HDR])
     assert (ident,magic,version) == (b':W&B', 0xBEE1, 0), (ident, magic, version)
@@ -170,7 +171,8 @@ def test_per_micro_batch(tmp_path):
     assert [s for s,_ in tb['accum_bs']] == list(range(1, n_mb+1))
 
 def test_without_accumulation(tmp_path):
-    "No accumulation callback: fastai's own code, so fastai's rows and no `accum_bs` (and on fastcore 2, fastai 2.8.12's own crash)"
+    ("No accumulation callback: fastai's own code, so fastai's rows and no `accum_bs` (and on fastcore 2, fastai "
+     "2.8.12's own crash)")
     import fastai.callback.wandb as fw
     # fastai 2.8.12 on fastcore 2: fastai's bug, left as fastai ships it
     if 'init_args' in fw._format_config_value.__code__.co_names:
@@ -183,10 +185,11 @@ def test_without_accumulation(tmp_path):
     assert len(tb['train_loss']) == 32 + len(learn.dls.valid)
 
 def test_no_vision_import():
-    """The library imports neither fastai.vision, torchvision nor wandb; fastai's own TensorBoard module, which users import
-    to log, brings `fastai.vision.core`/`.data` but never torchvision"""
+    """The library imports neither fastai.vision, torchvision nor wandb; fastai's own TensorBoard module, which users
+    import to log, brings `fastai.vision.core`/`.data` but never torchvision"""
     code = (
-        "import sys; vis = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('torchvision', 'wandb') or m.startswith('fastai.vision')); "
+        "import sys; vis = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('torchvision', 'wandb') or "
+        "m.startswith('fastai.vision')); "
         "import fastxtend_accum.all; print(vis()); import fastai.callback.tensorboard; print(vis())"
     )
     out = (
@@ -203,14 +206,16 @@ from fastxtend_accum.test_utils import digits_learner
 from fastai.callback.wandb import WandbCallback # after this library
 import wandb
 run = wandb.init(project='fastxtend-accum-tests', dir=sys.argv[1], mode='offline')
-learn = digits_learner(16, n_train=200, cbs=GradientAccumulation(64)) # an accumulating fit: its W&B callback gets the fix
+learn = digits_learner(16, n_train=200, cbs=GradientAccumulation(64)) # an accumulating fit: its W&B callback gets \
+the fix
 with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=WandbCallback(log_preds=False, log_model=False))
 run.finish()
 print(len(learn.recorder.losses))
 """
 
 def test_wandb_fix_whatever_the_import_order(tmp_path):
-    "fastai.callback.wandb imported after this library: an accumulating fit's fastcore-2 fix still applies (fastai 2.8.12 crashes in before_fit without it)"
+    ("fastai.callback.wandb imported after this library: an accumulating fit's fastcore-2 fix still applies (fastai "
+     "2.8.12 crashes in before_fit without it)")
     out = subprocess.run([sys.executable, '-c', WANDB_AFTER, str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().split('\n')[-1] == '4' # 200 samples in batches of 64: the fit ran to its end

@@ -1,14 +1,15 @@
-"""`lr_find` with accumulation (issue 27): fastai sizes the epoch bar for its own count of epochs (`num_it` micro-batches)
-before the library asks for the epochs that `num_it` optimizer steps need, so the bar ran past its end (`275.00% [11/4]`
-in Jupyter, `Epoch 1/4` for every epoch in a terminal). The bar must count the epochs the fit runs, and each epoch's bar
-its optimizer steps."""
+"""`lr_find` with accumulation (issue 27): fastai sizes the epoch bar for its own count of epochs (`num_it`
+micro-batches) before the library asks for the epochs that `num_it` optimizer steps need, so the bar ran past its end
+(`275.00% [11/4]` in Jupyter, `Epoch 1/4` for every epoch in a terminal). The bar must count the epochs the fit runs,
+and each epoch's bar its optimizer steps."""
 from fastai.basics import *
 from fastai.callback.progress import ProgressCallback
 from fastxtend_accum.all import *
 from fastxtend_accum.test_utils import digits_learner
 
 class BarRecord(Callback):
-    "The progress bars as the user sees them: the epoch bar's total at each epoch, each epoch bar's last count and total"
+    ("The progress bars as the user sees them: the epoch bar's total at each epoch, each epoch bar's last count and "
+     "total")
 
     order = ProgressCallback.order + 1
     def before_fit(self): self.epochs,self.steps = [],[]

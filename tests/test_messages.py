@@ -1,6 +1,7 @@
-"""Messages a user sees on day one (issue 27): each warning names the user's own line (the warning's filename and line are
-this file's, through fastai's event dispatch), the BatchNorm warning names the fix for the learner at hand, and an
-`accum_bs` smaller than a micro-batch says that it counts samples. Real fits: digits, breast cancer, CPython's help text."""
+"""Messages a user sees on day one (issue 27): each warning names the user's own line (the warning's filename and line
+are this file's, through fastai's event dispatch), the BatchNorm warning names the fix for the learner at hand, and an
+`accum_bs` smaller than a micro-batch says that it counts samples. Real fits: digits, breast cancer, CPython's help
+text."""
 
 import warnings
 import pytest
@@ -57,7 +58,8 @@ def test_tabular_fix_removes_the_warning():
     assert ours(ws, 'BatchNorm') == []
 
 def test_users_module_batchnorm_through_fit_one_cycle():
-    "A module of the user's own: GroupNorm/LayerNorm or frozen BatchNorm; the line is the user's, through `fit_one_cycle`"
+    ("A module of the user's own: GroupNorm/LayerNorm or frozen BatchNorm; the line is the user's, through "
+     "`fit_one_cycle`")
     learn = digits_learner(16, cbs=GradientAccumulation(64), bn=True)
     ws,line = fit_warnings(learn, lambda l: l.fit_one_cycle(1, 1e-2))
     bn = ours(ws, 'BatchNorm')
@@ -104,7 +106,8 @@ def test_accum_bs_smaller_than_a_micro_batch():
     test_eq(learn.gradient_accumulation.n_steps, len(learn.dls.train)) # one step per micro-batch: what the message says
 
 def tail_learner(**kwargs):
-    "GradientAccumulation(320) on fastai's default loaders (bs=32, drop_last) of 1,536 samples: 4 windows an epoch, then 256 samples"
+    ("GradientAccumulation(320) on fastai's default loaders (bs=32, drop_last) of 1,536 samples: 4 windows an epoch, "
+     "then 256 samples")
     return Learner(
         digits_default_dls(32, n_train=1536, dtype=torch.float32),
         digits_mlp(dtype=torch.float32),
@@ -114,7 +117,8 @@ def tail_learner(**kwargs):
 
 
 def test_dropped_tail_is_said_once_per_fit():
-    "A tail larger than a micro-batch that `drop_last` discards (issue 39): said once per fit, with its share and the fix"
+    ("A tail larger than a micro-batch that `drop_last` discards (issue 39): said once per fit, with its share and "
+     "the fix")
     learn = tail_learner()
     ws,line = fit_warnings(learn, lambda l: l.fit(2))
     tail = ours(ws, 'never trained on')
@@ -142,7 +146,8 @@ def test_indivisible_still_says_divide():
     assert_at(msgs[0], line)
 
 def test_mid_window_and_fastai_ga_warnings_name_the_users_line():
-    "A window an epoch ends in (a loader whose `len` says one micro-batch more than it yields) and fastai's own callback"
+    ("A window an epoch ends in (a loader whose `len` says one micro-batch more than it yields) and fastai's own "
+     "callback")
     from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation  # noqa: F401 (imported)
     import fastxtend_accum.patches as patches  # noqa: F401 (imported for its side effects)
     class OverLong(torch.utils.data.BatchSampler):
@@ -241,8 +246,9 @@ class Boom(Callback):
 
 @pytest.mark.parametrize('splitter', ['ga', 'micro'])
 def test_tracebacks_hide_the_patch_layer(splitter):
-    """An error from a user's callback passes through the patch layer's frames: each one is marked `__tracebackhide__`, which
-    IPython (Jupyter) and pytest honour, so the traceback a user reads goes from their `fit` line to their callback"""
+    """An error from a user's callback passes through the patch layer's frames: each one is marked `__tracebackhide__`,
+    which IPython (Jupyter) and pytest honour, so the traceback a user reads goes from their `fit` line to their
+    callback"""
     import os, traceback
     cb = GradientAccumulation(64) if splitter == 'ga' else MicroBatching(16)
     learn = digits_learner(16 if splitter == 'ga' else 64, cbs=[cb, Boom()])

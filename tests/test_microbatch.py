@@ -1,4 +1,5 @@
-"`MicroBatching`: exactness, out-of-memory recovery (simulated on the CPU, real on a GPU), composition with fastai's callbacks, DDP"
+("`MicroBatching`: exactness, out-of-memory recovery (simulated on the CPU, real on a GPU), composition with fastai's "
+ "callbacks, DDP")
 
 import gc, json, math, os, re, warnings, pytest
 import torch.nn.functional as F
@@ -15,7 +16,8 @@ from helpers import assert_same_training, no_grads, CPUMixedPrecision, Overflow
 # --- scaffolding ---
 
 class SimulatedOOM(nn.Module):
-    "Identity that raises `torch.OutOfMemoryError` on a training micro-batch above `limit` samples, in the forward or the backward"
+    ("Identity that raises `torch.OutOfMemoryError` on a training micro-batch above `limit` samples, in the forward "
+     "or the backward")
 
     def __init__(self, limit=None, where='forward', fail_at=()):
         super().__init__()
@@ -77,7 +79,8 @@ def test_sizes_seen_by_the_model():
 # --- 'auto': simulated out-of-memory errors ---
 
 def test_auto_splits_in_one_more_part_after_each_oom(capsys):
-    "Batches of 60, a limit of 16: 60, 30, 20 (1, 2, 3 parts) fail, 15 (4 parts) fits; the last batch (50) goes in 13+13+12+12; exact"
+    ("Batches of 60, a limit of 16: 60, 30, 20 (1, 2, 3 parts) fail, 15 (4 parts) fits; the last batch (50) goes in "
+     "13+13+12+12; exact")
     auto = fit(oom_learner(60, 16, n_train=1490, cbs=MicroBatching('auto')))
     large = fit(digits_learner(60, n_train=1490))
     cb = auto.micro_batching
@@ -117,7 +120,8 @@ def test_auto_oom_in_backward_drops_partial_gradients():
     assert max_param_diff(large, broken) > 1e-4 # the test can fail: partial gradients would show
 
 def test_auto_oom_mid_batch_restarts_the_batch():
-    "An OOM in a batch's 2nd micro-batch, after the 1st went through forward and backward: the batch restarts in 3 parts (22)"
+    ("An OOM in a batch's 2nd micro-batch, after the 1st went through forward and backward: the batch restarts in 3 "
+     "parts (22)")
     # forward calls: batch 0 tries 64 (fails: limit 32), then 32+32; batches 1-4: 32+32; batch 5: 32 (call 11), 32 (call
     # 12) fails
     auto = fit(oom_learner(64, 32, fail_at=[12], cbs=MicroBatching('auto', verbose=False)))
@@ -163,7 +167,8 @@ class Cost(nn.Module):
         return x
 
 def test_fastest_times_real_steps(capsys):
-    "Fits up to 32; timed at 32, 22 and 16 (64 in 2, 3, 4 parts; 2 timed steps each, after a warm-up); 16 is the fastest"
+    ("Fits up to 32; timed at 32, 22 and 16 (64 in 2, 3, 4 parts; 2 timed steps each, after a warm-up); 16 is the "
+     "fastest")
     clock = FakeClock()
     # above 16 thrashes the allocator: 32: 10 s per batch, 22+21+21: 15 s, 16: 4.64 s
     cost = lambda n: 5.0 if n > 16 else 1.0 + 0.01*n
@@ -299,7 +304,8 @@ def test_normalize_by_tokens():
     assert max_param_diff(large, by_samples) > 1e-4 or torch.isnan(by_samples.model[0].weight).any()
 
 def test_cancel_batch_mid_way_leaves_no_gradients():
-    "A callback cancels a batch in its 3rd micro-batch's `after_loss`: no step, no gradient left, as fastai does for the batch"
+    ("A callback cancels a batch in its 3rd micro-batch's `after_loss`: no step, no gradient left, as fastai does for "
+     "the batch")
 
     class Cancel(Callback):
         def __init__(self, at): self.at,self.seen = at,0
@@ -395,7 +401,8 @@ def test_bad_input(kwargs, msg):
 # --- DDP: two processes on the CPU (gloo) ---
 
 def _ddp_run(rank, tmp):
-    "One of two processes: DDP over gloo, each process with half of every global batch of 64 (32 + 32; 14 + 14 for the last)"
+    ("One of two processes: DDP over gloo, each process with half of every global batch of 64 (32 + 32; 14 + 14 for "
+     "the last)")
     import torch.distributed as dist
     from datetime import timedelta
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -438,7 +445,8 @@ def _ddp_worker(rank, tmp):
     finally: os._exit(code)
 
 def test_ddp_two_processes(tmp_path):
-    "DDP over two CPU processes: `no_sync` on all but the last micro-batch; 'auto' agrees on a size when only one process runs out"
+    ("DDP over two CPU processes: `no_sync` on all but the last micro-batch; 'auto' agrees on a size when only one "
+     "process runs out")
     import multiprocessing as mp
     procs = [mp.get_context('fork').Process(target=_ddp_worker, args=(r, str(tmp_path))) for r in (0, 1)]
     for p in procs: p.start()
@@ -462,7 +470,8 @@ def test_ddp_two_processes(tmp_path):
     test_eq(r0['auto']['no_sync'], 1 + 2 + 3 + 4 + 22*4 + 2)
     test_eq(r1['auto']['no_sync'], 1 + 1 + 1 + 4 + 22*4 + 2)
     print(
-        f"DDP: max |param diff| vs one process with batches of 64: int {r0['int']['diff']:.2e}, auto {r0['auto']['diff']:.2e}"
+        f"DDP: max |param diff| vs one process with batches of 64: int {r0['int']['diff']:.2e}, auto "
+        f"{r0['auto']['diff']:.2e}"
     )
 
 
@@ -507,14 +516,16 @@ def peak_of(model, n, amp=False):
     return torch.cuda.max_memory_allocated()
 
 def cap_from_peaks(peak, n_fit:int):
-    "A cap between what `n_fit` and `2*n_fit` samples need, from `peak(n)` at 4 and 8 samples; and the memory per sample"
+    ("A cap between what `n_fit` and `2*n_fit` samples need, from `peak(n)` at 4 and 8 samples; and the memory per "
+     "sample")
     p4,p8 = peak(4),peak(8)
     per = (p8-p4)/4
     return p4 - 4*per + 1.5*n_fit*per,per # n_fit and 2*n_fit are 0.5*n_fit*per away
 
 @contextmanager
 def memory_cap(n_fit:int, amp=False):
-    "Cap this process's GPU memory between what `n_fit` and `2*n_fit` samples of `wide_learner`'s model need (fp16: `n_in=AMP_IN`)"
+    ("Cap this process's GPU memory between what `n_fit` and `2*n_fit` samples of `wide_learner`'s model need (fp16: "
+     "`n_in=AMP_IN`)")
     probe = wide_mlp(AMP_IN if amp else 64)
     peak_of(probe, 2, amp) # gradients allocated
     cap,per = cap_from_peaks(partial(peak_of, probe, amp=amp), n_fit)
@@ -527,7 +538,8 @@ def memory_cap(n_fit:int, amp=False):
 
 @cuda
 def test_gpu_real_oom_auto():
-    "Memory capped well below a batch of 64: 'auto' gets a real OOM at 64, retries smaller, and trains like batches of 64"
+    ("Memory capped well below a batch of 64: 'auto' gets a real OOM at 64, retries smaller, and trains like batches "
+     "of 64")
     ref = fit(wide_learner(64)) # uncapped: the whole batch
     ref_params = [p.detach().clone() for p in ref.model.parameters()]
     del ref; gc.collect(); torch.cuda.empty_cache()
@@ -547,7 +559,8 @@ def test_gpu_real_oom_auto():
 
 @cuda
 def test_gpu_real_oom_mixed_precision():
-    "fastai's MixedPrecision (fp16 autocast, GradScaler) on the GPU with a real OOM: close to the uncapped fp16 whole batch"
+    ("fastai's MixedPrecision (fp16 autocast, GradScaler) on the GPU with a real OOM: close to the uncapped fp16 "
+     "whole batch")
     ref = fit(wide_learner(64, cbs=MixedPrecision(), n_in=AMP_IN))
     ref_params = [p.detach().clone() for p in ref.model.parameters()]
     del ref; gc.collect(); torch.cuda.empty_cache()
@@ -633,7 +646,8 @@ def lm_loss(pred, targ):
 
 
 class ResetHidden(Callback):
-    "fastai's `ModelResetter`, for the AWD_LSTM's hidden state only; no validation (fastai's `WeightDropout` fails in eval mode on torch 2.13)"
+    ("fastai's `ModelResetter`, for the AWD_LSTM's hidden state only; no validation (fastai's `WeightDropout` fails "
+     "in eval mode on torch 2.13)")
 
     def before_train(self):
         enc = self.model[0]
@@ -669,7 +683,8 @@ def lm_learner(cbs=(), bs=32, seq_len=12, n_steps=12):
                    cbs=[ResetHidden(), RNNCallback(), Float64SmoothLoss(), *cbs])
 
 def test_awd_lstm_streams_are_exact(monkeypatch):
-    "Each micro-batch runs with its own rows' hidden state and the batch's state is carried on: as the whole batch, to 1e-8"
+    ("Each micro-batch runs with its own rows' hidden state and the batch's state is carried on: as the whole batch, "
+     "to 1e-8")
     large = fit(lm_learner(), n_epoch=1)
     micro = fit(lm_learner([MicroBatching(8)]), n_epoch=1)
     test_eq(len(large.recorder.losses), 12)
@@ -681,7 +696,8 @@ def test_awd_lstm_streams_are_exact(monkeypatch):
     blind = fit(lm_learner([MicroBatching(8)]), n_epoch=1)
     d = max_param_diff(large, blind)
     print(
-        f'AWD_LSTM, micro-batches of 8 in batches of 32: exact {max_param_diff(large, micro):.1e}, without row states {d:.1e}'
+        f'AWD_LSTM, micro-batches of 8 in batches of 32: exact {max_param_diff(large, micro):.1e}, without row states '
+        f'{d:.1e}'
     )
     assert d > 1e-4 # the test has teeth
 

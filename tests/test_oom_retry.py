@@ -1,8 +1,9 @@
-"""`MicroBatching('auto')`'s out-of-memory retries leave nothing behind, under fastai's `MixedPrecision` too (CPU autocast here):
-after an attempt fails in the forward or in the backward, no tensor it made is alive (its activations, autocast's casts,
-gradients), autocast's nesting and cache are as the attempt found them, the GradScaler's state is unchanged and the memory the
-attempt's tensors held is back to its level. And the premise of the GPU test under fp16: a memory cap between what 16 and 32
-samples need exists for its model (with 64 inputs, fp16's copies of the first layer set a peak that no batch size moves)."""
+"""`MicroBatching('auto')`'s out-of-memory retries leave nothing behind, under fastai's `MixedPrecision` too (CPU
+autocast here): after an attempt fails in the forward or in the backward, no tensor it made is alive (its activations,
+autocast's casts, gradients), autocast's nesting and cache are as the attempt found them, the GradScaler's state is
+unchanged and the memory the attempt's tensors held is back to its level. And the premise of the GPU test under fp16: a
+memory cap between what 16 and 32 samples need exists for its model (with 64 inputs, fp16's copies of the first layer
+set a peak that no batch size moves)."""
 
 import pytest, torch
 from fastai.basics import *
@@ -28,7 +29,8 @@ def scaler_state(learn):
 
 
 class FailOnce(nn.Module):
-    "Identity that raises `torch.OutOfMemoryError` in its `at`-th training forward call, in the forward or in a backward hook"
+    ("Identity that raises `torch.OutOfMemoryError` in its `at`-th training forward call, in the forward or in a "
+     "backward hook")
 
     def __init__(self, at, where): super().__init__(); self.at,self.where,self.calls = at,where,0
     def forward(self, x):
@@ -59,7 +61,8 @@ class Attempts:
 @pytest.mark.parametrize('where', ['forward', 'backward hook'])
 @pytest.mark.parametrize('amp', ['bf16', 'fp16'])
 def test_failed_attempt_leaves_nothing(amp, where):
-    "OOMs at 64 (the first batch, in the forward) and in a later batch's 2nd micro-batch: each retry starts from the state the failed attempt found"
+    ("OOMs at 64 (the first batch, in the forward) and in a later batch's 2nd micro-batch: each retry starts from the "
+     "state the failed attempt found")
     mp = CPUMixedPrecision(amp_mode=amp) # CPU autocast; fp16: with a (CPU) GradScaler
     cb = MicroBatching('auto', verbose=False)
     learn = digits_learner(64, dtype=torch.float32, n_train=64*6, cbs=[cb, mp])
@@ -85,10 +88,11 @@ def test_failed_attempt_leaves_nothing(amp, where):
     if amp == 'fp16': assert watch.found[watch.failures[1]]['scaler'][0] is not None
 
 def test_gpu_test_cap_separates_16_from_32_under_16bit():
-    """The GPU test of a real OOM under fp16 (`test_gpu_real_oom_mixed_precision`) caps memory at base + 1.5*16*per (per: the
-    slope of the peak between 4 and 8 samples). Under 16-bit autocast, with 64 inputs, the peak is the first layer's 16-bit
-    weight gradient and its float32 cast (for the float32 `.grad`), alive together in its backward: the same for 1 to 64 samples, so per was 0
-    and the cap had no room for anything the fit adds. Measured here on the CPU (bf16, the size of fp16) at 1/16th width"""
+    """The GPU test of a real OOM under fp16 (`test_gpu_real_oom_mixed_precision`) caps memory at base + 1.5*16*per
+    (per: the slope of the peak between 4 and 8 samples). Under 16-bit autocast, with 64 inputs, the peak is the first
+    layer's 16-bit weight gradient and its float32 cast (for the float32 `.grad`), alive together in its backward: the
+    same for 1 to 64 samples, so per was 0 and the cap had no room for anything the fit adds. Measured here on the CPU
+    (bf16, the size of fp16) at 1/16th width"""
     model = wide_mlp(n_in=AMP_IN, width=2**16, device='cpu')
     def peak(n):
         x,y = torch.randn(n, AMP_IN),torch.randint(0, 10, (n,))

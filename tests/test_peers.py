@@ -1,7 +1,8 @@
 """`bench/peers.py --quick` runs and writes its results, and what it measures holds where it cannot depend on the load:
-every way to train that claims the large batch's gradient matches its framework's large batch in float64, the PyTorch loop
-and Accelerate make no host sync, fastai's Recorder makes one per batch. In the users' `.venv` Lightning and fastxtend are
-not installed and are listed as skipped; `make bench` runs the same script in `.venv-bench`, where they are."""
+every way to train that claims the large batch's gradient matches its framework's large batch in float64, the PyTorch
+loop and Accelerate make no host sync, fastai's Recorder makes one per batch. In the users' `.venv` Lightning and
+fastxtend are not installed and are listed as skipped; `make bench` runs the same script in `.venv-bench`, where they
+are."""
 import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.one_env]
 import json, os, subprocess, sys
@@ -97,7 +98,8 @@ def test_peers_quick(tmp_path):
     assert calls['GradientAccumulation(128)'] < calls["fastai's GradientAccumulation"]/2, calls
 
 def test_grouped_interval_resamples_the_processes():
-    "Processes whose medians differ more than their repetitions do: the interval widens to say so, as one process's does not"
+    ("Processes whose medians differ more than their repetitions do: the interval widens to say so, as one process's "
+     "does not")
     procs = [[c + 1e-4*i for i in range(60)] for c in (0.98, 1.00, 1.02, 1.04)] # each tight, their centres 6% apart
     lo,hi = grouped_median_ci(procs)
     one_lo,one_hi = grouped_median_ci([[x for g in procs for x in g]]) # the same figures taken as one process

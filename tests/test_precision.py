@@ -1,6 +1,7 @@
-"""Models held in bfloat16 or float16 (digits, MLP 64-256-10, CPU): windows summed in float32 (`accum_dtype`) give the first
-step a gradient as accurate as the large batch's, train as summing in float32 by hand does, hold no 16-bit `p.grad` across
-micro-batches, and average over 2 DDP processes (gloo, torchrun) in float32. Figures: `figures_precision.py`."""
+"""Models held in bfloat16 or float16 (digits, MLP 64-256-10, CPU): windows summed in float32 (`accum_dtype`) give the
+first step a gradient as accurate as the large batch's, train as summing in float32 by hand does, hold no 16-bit
+`p.grad` across micro-batches, and average over 2 DDP processes (gloo, torchrun) in float32. Figures:
+`figures_precision.py`."""
 import os, socket, subprocess, sys, warnings
 import pytest, torch
 from torch import nn
@@ -49,7 +50,8 @@ def by_hand(dtype, bs:int, k:int, steps:int, opt_func, lr=0.1, clip=None):
 @pytest.mark.parametrize('opt_func', [SGD, Adam], ids=['SGD', 'Adam'])
 @pytest.mark.parametrize('dtype', DTYPES, ids=['bf16', 'fp16'])
 def test_steps_track_float32_sums(opt_func, dtype):
-    "5 steps of windows of 16 micro-batches: the parameters summing in float32 by hand gives, exactly; not so in 16 bits"
+    ("5 steps of windows of 16 micro-batches: the parameters summing in float32 by hand gives, exactly; not so in 16 "
+     "bits")
     bs,k,steps = 16,16,5
     ref = by_hand(dtype, bs, k, steps, opt_func, lr=1e-2)
     runs = {
@@ -78,7 +80,8 @@ def test_gradient_clip_clips_the_mean_once():
     for p,q in zip(ref.parameters(), learn.model.parameters()): test_eq(p, q)
 
 class Peak(Callback):
-    "After each micro-batch's backward whether p.grad is held; in each parameter's hook, before FloatGrads', the bytes of gradients and sums"
+    ("After each micro-batch's backward whether p.grad is held; in each parameter's hook, before FloatGrads', the "
+     "bytes of gradients and sums")
 
     order = -100 # its hooks registered before FloatGrads' (at the accumulation callback's `before_fit`): they run first
     def before_fit(self):
@@ -97,7 +100,8 @@ class Peak(Callback):
 
 @pytest.mark.parametrize('micro', [False, True], ids=['GradientAccumulation', 'MicroBatching'])
 def test_no_16_bit_grad_held_across_micro_batches(micro):
-    "No 16-bit p.grad outlives its micro-batch's backward; the peak is the float32 sums plus at most one micro-batch's 16-bit gradient"
+    ("No 16-bit p.grad outlives its micro-batch's backward; the peak is the float32 sums plus at most one "
+     "micro-batch's 16-bit gradient")
     bs,k = 16,8
     cb = MicroBatching(bs, verbose=False) if micro else GradientAccumulation(bs*k)
     learn = learner(torch.bfloat16, bs*k if micro else bs, cb, n_train=bs*k*2)
@@ -181,7 +185,8 @@ def ddp(tmp_path_factory):
     return {c: [torch.load(out/f'{c}-rank{r}.pt') for r in range(2)] for c in W.CASES}
 
 def ddp_reference():
-    "The first window over both processes by hand: each process's 16 micro-batches summed in float32, averaged, rounded once"
+    ("The first window over both processes by hand: each process's 16 micro-batches summed in float32, averaged, "
+     "rounded once")
     x,y = digits_data(torch.bfloat16)
     sums = []
     for r in range(2):
@@ -195,7 +200,8 @@ def ddp_reference():
     return ((sums[0] + sums[1])/2).to(torch.bfloat16)
 
 def ddp_float64_error(g):
-    "The first window's gradient against float64 over the 512 samples of both processes, and the large batch's (bfloat16)"
+    ("The first window's gradient against float64 over the 512 samples of both processes, and the large batch's "
+     "(bfloat16)")
     x,y = digits_data(torch.float64)
     idx = torch.cat([torch.arange(W.SHARD*r, W.SHARD*r + W.ACCUM_BS) for r in range(2)])
     grads = []
@@ -208,7 +214,8 @@ def ddp_float64_error(g):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize('case', ['f32', 'mb'])
 def test_ddp_float32_all_reduce(ddp, case):
-    "Under DDP, each window's float32 sums are averaged over the processes once (DDP's own all-reduce never runs), exactly as by hand"
+    ("Under DDP, each window's float32 sums are averaged over the processes once (DDP's own all-reduce never runs), "
+     "exactly as by hand")
     r0,r1 = ddp[case]
     test_eq(r0['n_allreduce'], 0); test_eq(r1['n_allreduce'], 0)
     test_eq(r0['grad'], ddp_reference()); test_eq(r1['grad'], r0['grad'])
@@ -227,7 +234,8 @@ def test_ddp_16_bit_baseline(ddp):
 @pytest.mark.slow
 @pytest.mark.one_env
 def test_bench_quick(tmp_path):
-    "`bench/precision.py --quick` runs and prints its ratio lines (no target judged here: `make bench` does, side by side)"
+    ("`bench/precision.py --quick` runs and prints its ratio lines (no target judged here: `make bench` does, side by "
+     "side)")
     root = os.path.dirname(HERE)
     p = subprocess.run(
         [sys.executable, os.path.join(root, 'bench', 'precision.py'), '--quick', '--out', str(tmp_path)],
@@ -249,7 +257,8 @@ def test_bench_quick(tmp_path):
 
 @pytest.mark.multiprocess
 def test_fsdp2_refused(ddp):
-    "A bfloat16 model sharded with FSDP2: accum_dtype refuses it on both processes, before any micro-batch, and names the fix"
+    ("A bfloat16 model sharded with FSDP2: accum_dtype refuses it on both processes, before any micro-batch, and "
+     "names the fix")
     for r in ddp['fsdp2']:
         assert (
             r['error'] is not None
@@ -258,7 +267,8 @@ def test_fsdp2_refused(ddp):
         assert 'accum_dtype=None' in r['error']
 
 def test_window_past_its_target_is_scaled_in_float32():
-    "accum_bs=60 in micro-batches of 16: windows close at 64 samples and the float32 sum is scaled by 60/64 before rounding, as by hand"
+    ("accum_bs=60 in micro-batches of 16: windows close at 64 samples and the float32 sum is scaled by 60/64 before "
+     "rounding, as by hand")
     bs,accum,steps = 16,60,3
     m,(x,y) = model(torch.bfloat16),digits_data(torch.bfloat16)
     opt = SGD(list(m.parameters()), lr=0.1)

@@ -1,5 +1,5 @@
-"""Two processes (torchrun, gloo, CPU) training sharded in fastai's idiom (`learn.sharded_ctx()`, FSDP2 and FSDP1) reach the
-parameters and optimizer state of one process training on the same global windows, in float64; checkpoints are plain
+"""Two processes (torchrun, gloo, CPU) training sharded in fastai's idiom (`learn.sharded_ctx()`, FSDP2 and FSDP1) reach
+the parameters and optimizer state of one process training on the same global windows, in float64; checkpoints are plain
 state dicts; a model the user sharded keeps working. The workers are `sharded_worker.py`; the `before` launch shows what
 fastai does on a sharded model without this library's `sharded` module."""
 import os, re, subprocess, sys
@@ -76,7 +76,8 @@ def global_fits(ranks_batches):
     return out
 
 def reference(res, opt='adam', n_epochs=(2,), cbs=(), with_save=False, path=None, model=None):
-    "One process, no sharding, no accumulation, stepping once per global window, fit after fit; snapshots after each fit"
+    ("One process, no sharding, no accumulation, stepping once per global window, fit after fit; snapshots after each "
+     "fit")
     from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
     of,lr = W.opt_func(opt)
     _,val = W.digits_samples()
@@ -122,7 +123,8 @@ def check_plain(r):
 
 @pytest.mark.parametrize('case,opt,n_epochs', [('fsdp2_adam', 'adam', (2, 2)), ('fsdp1_adam', 'adam', (1, 1))])
 def test_two_fits_match_one_process(runs, case, opt, n_epochs):
-    "Fit after fit: the parameters and the optimizer's moments (moved to the shards and back each fit) equal one process's"
+    ("Fit after fit: the parameters and the optimizer's moments (moved to the shards and back each fit) equal one "
+     "process's")
     res,_ = runs
     r0,r1 = res[case]
     _,snaps = reference(res[case], opt, n_epochs, cbs=[GradientClip(W.MAX_NORM)])
@@ -136,7 +138,8 @@ def test_two_fits_match_one_process(runs, case, opt, n_epochs):
     if case == 'fsdp2_adam': assert r0['same_model'] and r1['same_model'] # the module the user passed, trained
 
 def test_fsdp1_fastai_sgd_clips_on_the_global_norm(runs):
-    "fastai's SGD steps FSDP1's views; GradientClip clips by the norm of the whole gradient, which each process's part is not"
+    ("fastai's SGD steps FSDP1's views; GradientClip clips by the norm of the whole gradient, which each process's "
+     "part is not")
     res,_ = runs
     _,snaps = reference(res['fsdp1_sgd'], 'sgd', (2,), cbs=[GradientClip(W.MAX_NORM)])
     for r in res['fsdp1_sgd']:
@@ -151,7 +154,8 @@ def test_fsdp1_fastai_sgd_clips_on_the_global_norm(runs):
     assert abs(l0[0] - w0[0]) > 0.01 and abs(l1[0] - w0[0]) > 0.01
 
 def test_per_shard_clipping_is_off(runs):
-    "The test has teeth: clipping each process's part by its own norm (fastai's GradientClip before this library) is off"
+    ("The test has teeth: clipping each process's part by its own norm (fastai's GradientClip before this library) is "
+     "off")
     res,_ = runs
     _,snaps = reference(res['fsdp1_shardclip'], 'sgd', (2,), cbs=[GradientClip(W.MAX_NORM)])
     d = max_diff(res['fsdp1_shardclip'][0]['params'], snaps[0][0])
@@ -169,8 +173,9 @@ def test_torch_optimizer_and_microbatching(runs):
         assert d < 1e-8 and o < 1e-8
 
 def test_checkpoints_are_plain_and_lr_find_restores(runs, tmp_path):
-    """`lr_find` leaves the model and optimizer as they were; `SaveModelCallback` (a collective save, in the fit) writes one
-    plain checkpoint that fastai's `learn.load` reads on one process, and loads the best epoch at the end, as one process does"""
+    """`lr_find` leaves the model and optimizer as they were; `SaveModelCallback` (a collective save, in the fit) writes
+    one plain checkpoint that fastai's `learn.load` reads on one process, and loads the best epoch at the end, as one
+    process does"""
     res,out = runs
     r0,r1 = res['save_load']
     for r in (r0, r1):
@@ -192,7 +197,8 @@ def test_checkpoints_are_plain_and_lr_find_restores(runs, tmp_path):
     assert set(state) == {'model', 'opt'} and list(state['model']) == list(ref_state['model'])
     d = max((state['model'][k] - v).abs().max().item() for k,v in ref_state['model'].items())
     print(
-        f'save_load: the checkpoint against one process: model {d:.3g}, optimizer {opt_diff(state["opt"], ref_state["opt"]):.3g}'
+        f'save_load: the checkpoint against one process: model {d:.3g}, optimizer '
+        f'{opt_diff(state["opt"], ref_state["opt"]):.3g}'
     )
     assert d < 1e-8 and opt_diff(state['opt'], ref_state['opt']) < 1e-8
     from fastxtend_accum.test_utils import digits_mlp
@@ -208,7 +214,8 @@ def test_checkpoints_are_plain_and_lr_find_restores(runs, tmp_path):
     assert max_diff([p.detach() for p in learn.model.parameters()], r0['params']) < 1e-12
 
 def test_user_sharded_model_in_the_context(runs):
-    "A model sharded with fully_shard before the Learner: the context shares the data out and leaves the shards; save/load round trip"
+    ("A model sharded with fully_shard before the Learner: the context shares the data out and leaves the shards; "
+     "save/load round trip")
     res,out = runs
     r0,r1 = res['user_fsdp2_ctx']
     assert r0['sharded_after'] and r1['sharded_after']
@@ -224,7 +231,8 @@ def test_user_sharded_model_in_the_context(runs):
     assert max_diff(list(end['model'].values()), snaps[0][0]) < 1e-8 and opt_diff(end['opt'], snaps[0][1]) < 1e-8
 
 def test_user_fsdp1_model_by_hand(runs):
-    "FSDP1 before the Learner, per-process loaders split by hand, fastai's SGD and GradientClip, no context: exact; saves whole"
+    ("FSDP1 before the Learner, per-process loaders split by hand, fastai's SGD and GradientClip, no context: exact; "
+     "saves whole")
     res,out = runs
     _,snaps = reference(res['user_fsdp1_by_hand'], 'sgd', (2,), cbs=[GradientClip(W.MAX_NORM)])
     end = torch.load(out/'user1'/'models'/'end.pth', weights_only=False)
@@ -259,7 +267,8 @@ def test_before_fastai_optimizer_on_fsdp1(before):
 def test_before_gradient_clip_on_fsdp1(before):
     (l0,w0),(l1,w1) = [r['norms'] for r in before['before_clip_fsdp1']]
     print(
-        f'before, GradientClip on FSDP1, first step: each process clips by the norm of its part, {l0[0]:.3g} and {l1[0]:.3g}, '
+        f'before, GradientClip on FSDP1, first step: each process clips by the norm of its part, {l0[0]:.3g} and '
+        f'{l1[0]:.3g}, '
         f'where the whole gradient has {w0[0]:.3g}'
     )
     assert abs(l0[0] - w0[0]) > 0.01
@@ -271,8 +280,8 @@ def tied(tmp_path_factory):
 
 @pytest.mark.parametrize('case,opt', [('tied_fsdp2', 'adam'), ('tied_fsdp1', 'sgd')])
 def test_tied_weights_default_policy(tied, case, opt):
-    """Layers 0 and 2 share one weight: the default policy keeps both in the root's block, and the run equals one process
-    (no sharding) on the same global windows; after the fit the user's model is plain and still tied"""
+    """Layers 0 and 2 share one weight: the default policy keeps both in the root's block, and the run equals one
+    process (no sharding) on the same global windows; after the fit the user's model is plain and still tied"""
     _,snaps = reference(tied[case], opt, (2,), model=W.tied_mlp())
     for r in tied[case]:
         check_plain(r)
@@ -283,10 +292,12 @@ def test_tied_weights_default_policy(tied, case, opt):
     assert max_diff(tied[case][0]['params'], start) > 1e-3 # it trained
 
 def test_tied_weights_split_by_a_policy_are_refused(tied):
-    "A policy that shards each Linear apart would split the pair: refused before anything is sharded, saying how to fix it"
+    ("A policy that shards each Linear apart would split the pair: refused before anything is sharded, saying how to "
+     "fix it")
     for r in tied['tied_refused']:
         assert (
-            "`0.weight` and `2.weight` are one parameter (tied weights), and the policy shards `0` as a block of its own "
+            "`0.weight` and `2.weight` are one parameter (tied weights), and the policy shards `0` as a block of its "
+            "own "
             "without `2`"
         ) in r['error'], r['error']
         assert 'Nothing was sharded' in r['error'] and r['untouched'] and r['group_after']

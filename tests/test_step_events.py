@@ -1,9 +1,9 @@
-"""What a callback reads at `before_step`/`after_step` is the large batch's (issue 38), float64 within 1e-10, on 250 digits
-(micro-batches of 16, windows of 64: each epoch ends with a short window of 58 samples) against batches of 64 on the same
-samples: `loss` (the window's) and `loss_grad` (with a term added in `before_backward`), the step counters; a NaN in any
-micro-batch of a window seen by a loss guard in `before_step` (the large batch skips that step: finite weights, equal); a
-parameter the optimizer holds outside the model (a learnable temperature of the loss, through `splitter`) scaled, zeroed
-and dropped with the window; an EMA of the weights kept in `after_step`."""
+"""What a callback reads at `before_step`/`after_step` is the large batch's (issue 38), float64 within 1e-10, on 250
+digits (micro-batches of 16, windows of 64: each epoch ends with a short window of 58 samples) against batches of 64 on
+the same samples: `loss` (the window's) and `loss_grad` (with a term added in `before_backward`), the step counters; a
+NaN in any micro-batch of a window seen by a loss guard in `before_step` (the large batch skips that step: finite
+weights, equal); a parameter the optimizer holds outside the model (a learnable temperature of the loss, through
+`splitter`) scaled, zeroed and dropped with the window; an EMA of the weights kept in `after_step`."""
 import math, warnings
 import pytest
 from fastai.basics import *
@@ -15,7 +15,8 @@ from contract_worker import TempCE  # the loss with a learnable temperature the 
 MICRO,ACCUM,N_TRAIN,EPS = 16,64,250,1e-10
 
 def dls(bs, nan_at=None, drop_last=False):
-    "Digits' first N_TRAIN samples in order (the last batch short unless dropped), a NaN pixel in training sample `nan_at`"
+    ("Digits' first N_TRAIN samples in order (the last batch short unless dropped), a NaN pixel in training sample "
+     "`nan_at`")
     x,y = digits_data()
     x = x.clone()
     if nan_at is not None: x[nan_at, 10] = float('nan')
@@ -121,14 +122,16 @@ def test_a_parameter_of_the_loss_in_the_optimizer_steps_as_on_the_large_batch(na
     assert large.loss_func.t.item() != 1.
 
 def test_a_dropped_window_leaves_no_gradient_in_a_parameter_of_the_loss():
-    "drop_last=True: the short last window's gradient is dropped from the loss's parameter too (the next epoch starts clean)"
+    ("drop_last=True: the short last window's gradient is dropped from the loss's parameter too (the next epoch "
+     "starts clean)")
     large = fit(temp_learner(ACCUM, drop_last=True))
     accum = fit(temp_learner(MICRO, [GradientAccumulation(ACCUM, drop_last=True)]))
     assert max_param_diff(large, accum) < EPS
     assert abs(large.loss_func.t.item() - accum.loss_func.t.item()) < EPS
 
 class EMA(Callback):
-    "An EMA of the weights, updated once per optimizer step: in `after_step` (in `after_batch` it would update per micro-batch)"
+    ("An EMA of the weights, updated once per optimizer step: in `after_step` (in `after_batch` it would update per "
+     "micro-batch)")
 
     order,decay = 80,0.9
     def __init__(self, event='after_step'): setattr(self, event, self._update)
@@ -154,7 +157,8 @@ class TGrad(Callback):
         self.summed.append(any(isinstance(cb, GradientAccumulation) and cb.fgrads.active for cb in self.learn.cbs))
 
 def test_a_16_bit_model_sums_in_float32_and_still_scales_a_parameter_of_the_loss():
-    "bfloat16 model (its window summed in float32, `precision`), float64 temperature: the short window's gradient is its mean too"
+    ("bfloat16 model (its window summed in float32, `precision`), float64 temperature: the short window's gradient is "
+     "its mean too")
 
     def run(bs, cbs=()):
         x,y = digits_data(torch.bfloat16)

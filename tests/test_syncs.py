@@ -1,6 +1,6 @@
-"""The host-sync counter of `bench/syncs.py` counts what it says: a known sync per step is seen, a loop without one shows 0.
-Then the library's own: every callback x normalize_by makes no sync of its own (fastai's Recorder's one a step is all), and
-`RecordOnDevice` leaves one an epoch."""
+"""The host-sync counter of `bench/syncs.py` counts what it says: a known sync per step is seen, a loop without one
+shows 0. Then the library's own: every callback x normalize_by makes no sync of its own (fastai's Recorder's one a step
+is all), and `RecordOnDevice` leaves one an epoch."""
 import sys
 from pathlib import Path
 import pytest, torch
@@ -133,7 +133,8 @@ KINDS = ['GradientAccumulation', 'GradientAccumulationSchedule', 'MicroBatching'
 @pytest.mark.parametrize('counter', list(COUNTERS))
 @pytest.mark.parametrize('kind', KINDS)
 def test_one_sync_per_step_at_most(kind, counter):
-    "Logging on: fastai's Recorder reads the step's loss (one .cpu()) and its epoch's values (one item); the library adds none"
+    ("Logging on: fastai's Recorder reads the step's loss (one .cpu()) and its epoch's values (one item); the library "
+     "adds none")
     nb,loss = COUNTERS[counter]
     cb,bs = _callback(kind, nb)
     n,c = _per_epoch(_learner([cb], loss, bs))
@@ -154,14 +155,16 @@ def test_record_on_device_no_sync_per_step(kind, counter):
     assert all(isinstance(o, torch.Tensor) and o.device.type == 'cpu' for o in learn.recorder.losses)
 
 def test_user_counter_checked_once_per_step():
-    "A user's counter is checked at the step (its counts could be negative or NaN): one sync more per step, none per micro-batch"
+    ("A user's counter is checked at the step (its counts could be negative or NaN): one sync more per step, none per "
+     "micro-batch")
     from fastxtend_accum.all import GradientAccumulation
     count = lambda xb, yb: (yb[0] != -100).sum()
     n,c = _per_epoch(_learner([GradientAccumulation(64, normalize_by=count)], CE, 16))
     assert n <= 2*(256//64) + 1, c.report()
 
 def test_cuda_reports_counted_where_asked_for(monkeypatch):
-    "`SyncCounter(cuda=True)`: CUDA's sync warnings (simulated here: no GPU) counted at the caller, paused alike; other warnings still shown"
+    ("`SyncCounter(cuda=True)`: CUDA's sync warnings (simulated here: no GPU) counted at the caller, paused alike; "
+     "other warnings still shown")
     import warnings
     modes = []
     monkeypatch.setattr(torch.cuda, 'set_sync_debug_mode', modes.append)
@@ -181,7 +184,8 @@ def test_cuda_reports_counted_where_asked_for(monkeypatch):
 # --- blocking copies to the device (`SyncCounter(copies=True)`) and the training loader's copies made non-blocking ---
 
 def test_blocking_copy_rule():
-    "Which `Tensor.to`/`.cuda`/`.copy_` calls block the host (on a GPU machine; then with the host standing for the device)"
+    ("Which `Tensor.to`/`.cuda`/`.copy_` calls block the host (on a GPU machine; then with the host standing for the "
+     "device)")
     from syncs import blocking_copy
     t,T = torch.zeros(2),torch.Tensor
     gpu = dict(host_is_device=False)
@@ -204,7 +208,8 @@ def test_blocking_copy_rule():
     assert not blocking_copy(T.to, (t, 'cpu'), {'non_blocking': True}, **cpu)
 
 def test_copies_counted_while_paused_once_per_tensor():
-    "A loader's copy to the device is counted while paused (it is no host work); a copy of what one gave is not (on the device)"
+    ("A loader's copy to the device is counted while paused (it is no host work); a copy of what one gave is not (on "
+     "the device)")
     from syncs import COPY
     t = torch.zeros(3)
     with SyncCounter(copies=True, host_is_device=True) as c:
@@ -217,10 +222,10 @@ def test_copies_counted_while_paused_once_per_tensor():
 
 @pytest.mark.parametrize('kind', ['GA', 'schedule', 'MicroBatching'])
 def test_loader_copies_per_step_before_and_after(kind):
-    """fastai's loader copies each micro-batch's x and y with `non_blocking=False`: 2 blocking copies a micro-batch (8 a step of 4;
-    MicroBatching's loader yields the whole batch: 2), as they do with the library's loader takeover turned off. With it, as
-    the library's fits run by default (`to_device_non_blocking`): none, and at most one sync a step is left (fastai's
-    Recorder), none with RecordOnDevice (one an epoch)"""
+    """fastai's loader copies each micro-batch's x and y with `non_blocking=False`: 2 blocking copies a micro-batch (8 a
+    step of 4; MicroBatching's loader yields the whole batch: 2), as they do with the library's loader takeover turned
+    off. With it, as the library's fits run by default (`to_device_non_blocking`): none, and at most one sync a step is
+    left (fastai's Recorder), none with RecordOnDevice (one an epoch)"""
     from syncs import _learner, per_step
     n,copies,c = per_step(_learner(kind, False), 4)
     assert copies == (2 if kind == 'MicroBatching' else 8), c.report()

@@ -1,5 +1,5 @@
-"""Token-count normalization on real text: accumulating padded, uneven micro-batches of a char-level language model gives
-the parameters and losses of the large batch's token mean, in float64; the per-micro-batch mean does not"""
+"""Token-count normalization on real text: accumulating padded, uneven micro-batches of a char-level language model
+gives the parameters and losses of the large batch's token mean, in float64; the per-micro-batch mean does not"""
 import torch
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.normalize import TokenCount
@@ -93,7 +93,8 @@ def test_auto_padded_lm_pytorch_loss(lm_large, kind, capsys):
     samples = lm(*split(kind, 'samples'))
     g,h = lm_large.first_step_grad.grad,samples.first_step_grad.grad
     print(
-        f"{kind}: max |param diff| 'auto' {max_param_diff(lm_large, auto):.2g}, 'samples' {max_param_diff(lm_large, samples):.2g} "
+        f"{kind}: max |param diff| 'auto' {max_param_diff(lm_large, auto):.2g}, 'samples' "
+        f"{max_param_diff(lm_large, samples):.2g} "
         f"(first step {((h - g).norm() / g.norm()).item():.2%} off)"
     )
     assert max_param_diff(lm_large, samples) > 1e-4 and (h-g).norm()/g.norm() > 1e-2
@@ -105,13 +106,15 @@ def test_auto_print_follows_verbose(capsys):
     assert 'normalize_by' not in capsys.readouterr().out
 
 def test_auto_padded_lm_fastai_loss():
-    "fastai's CrossEntropyLossFlat (class axis 1 here) is read through its BaseLoss; it computes in float32: exact to that"
+    ("fastai's CrossEntropyLossFlat (class axis 1 here) is read through its BaseLoss; it computes in float32: exact "
+     "to that")
     flat = CrossEntropyLossFlat(axis=1)
     large = lm(LM_ACCUM, loss_func=flat)
     for kind in ('accum', 'micro'):
         auto,samples = lm(*split(kind), loss_func=flat),lm(*split(kind, 'samples'), loss_func=flat)
         print(
-            f"{kind}: max |param diff| 'auto' {max_param_diff(large, auto):.2g}, 'samples' {max_param_diff(large, samples):.2g}"
+            f"{kind}: max |param diff| 'auto' {max_param_diff(large, auto):.2g}, 'samples' "
+            f"{max_param_diff(large, samples):.2g}"
         )
         assert max_param_diff(large, auto) < 1e-7 and max_param_diff(large, samples) > 1e-4
 
@@ -123,9 +126,9 @@ class L2Term(Callback):
 
 
 def test_auto_reads_each_count_from_the_loss(lm_large, monkeypatch):
-    """'auto' takes a cross-entropy's count from the loss's graph (`normalize.loss_items`: no tensor op), not by counting the
-    targets; where the graph is not the cross-entropy's alone (a term added in `after_loss`), it counts the targets. Exact both
-    ways, and each way is the one taken"""
+    """'auto' takes a cross-entropy's count from the loss's graph (`normalize.loss_items`: no tensor op), not by
+    counting the targets; where the graph is not the cross-entropy's alone (a term added in `after_loss`), it counts the
+    targets. Exact both ways, and each way is the one taken"""
     calls = []
     call = TokenCount.__call__
     monkeypatch.setattr(TokenCount, '__call__', lambda self, xb, yb: calls.append(1) or call(self, xb, yb))
@@ -181,7 +184,8 @@ def test_auto_class_weighted_ce(fastai):
         )
         d = max_param_diff(large, weighted(16 if isinstance(cb, GradientAccumulation) else 64, cb, fastai))
         print(
-            f"{type(cb).__name__}, {'fastai' if fastai else 'PyTorch'}: max |param diff| 'auto' {max_param_diff(large, auto):.2g}, 'samples' {d:.2g}"
+            f"{type(cb).__name__}, {'fastai' if fastai else 'PyTorch'}: max |param diff| 'auto' "
+            f"{max_param_diff(large, auto):.2g}, 'samples' {d:.2g}"
         )
         assert d > 1e-3
 
@@ -213,7 +217,8 @@ def test_plain_function_on_ignored_targets_warns_once(kind):
 
 
 def test_fastai_label_smoothing_counts_samples():
-    "fastai's LabelSmoothingCrossEntropy: samples, exact with no ignored targets; with -100 targets no count is, and it says so"
+    ("fastai's LabelSmoothingCrossEntropy: samples, exact with no ignored targets; with -100 targets no count is, and "
+     "it says so")
     ls = LabelSmoothingCrossEntropyFlat()
     large = quiet(digits_learner(64, loss_func=ls))
     auto = quiet(digits_learner(16, loss_func=ls, cbs=GradientAccumulation(64)))
@@ -238,9 +243,10 @@ def test_auto_reads_the_loss_of_each_fit():
     assert isinstance(cb.counter, SampleCount)
 
 def test_auto_reads_mixup_loss():
-    """fastai's MixUp swaps in its own loss at `before_train`, a mean over samples (ignored targets count as 0) whatever the
-    class weights: 'auto' reads the loss at the epoch's first micro-batch, after that swap, and counts samples. (Not with
-    MicroBatching: MixUp's loss holds the whole batch's second targets, which a micro-batch's predictions do not match)"""
+    """fastai's MixUp swaps in its own loss at `before_train`, a mean over samples (ignored targets count as 0) whatever
+    the class weights: 'auto' reads the loss at the epoch's first micro-batch, after that swap, and counts samples. (Not
+    with MicroBatching: MixUp's loss holds the whole batch's second targets, which a micro-batch's predictions do not
+    match)"""
     cb = GradientAccumulation(64)
     learn = digits_learner(
         16, cbs=[cb, MixUp()], dtype=torch.float32, loss_func=CrossEntropyLossFlat(weight=CLASS_W.float())
@@ -250,8 +256,8 @@ def test_auto_reads_mixup_loss():
 
 def test_auto_hugging_face_gpt2(monkeypatch):
     """The issue's case: Hugging Face's GPT-2 built from a config (random weights), labels padded with -100, PyTorch's
-    CrossEntropyLoss, GradientAccumulation(32) on micro-batches of 8, no argument (transformers is pinned in both lock files);
-    torchvision, which it would import, is hidden"""
+    CrossEntropyLoss, GradientAccumulation(32) on micro-batches of 8, no argument (transformers is pinned in both lock
+    files); torchvision, which it would import, is hidden"""
     monkeypatch.setitem(sys.modules, 'torchvision', None) # the CUDA torchvision wheel fails to import with CPU torch
     import transformers
     class GPT2Logits(nn.Module):
@@ -285,7 +291,8 @@ def test_auto_hugging_face_gpt2(monkeypatch):
     g = large.first_step_grad.grad
     off = {k: ((l.first_step_grad.grad-g).norm()/g.norm()).item() for k,l in [('auto', auto), ('samples', samples)]}
     print(
-        f"transformers {transformers.__version__} GPT-2, {len(large.recorder.losses)} steps: 'auto' first step {off['auto']:.1e} off, "
+        f"transformers {transformers.__version__} GPT-2, {len(large.recorder.losses)} steps: 'auto' first step "
+        f"{off['auto']:.1e} off, "
         f"max |param diff| {max_param_diff(large, auto):.1e}; 'samples' first step {off['samples']:.2%} off, "
         f"max |param diff| {max_param_diff(large, samples):.1e}"
     )
@@ -293,7 +300,8 @@ def test_auto_hugging_face_gpt2(monkeypatch):
     assert max_param_diff(large, samples) > 1e-4 and off['samples'] > 1e-2
 
 def test_class_weights_summing_below_one_are_exact():
-    "A window whose class weights sum below 1 (weights of 1e-3): the step divides by that sum, not by 1 (it once clamped it)"
+    ("A window whose class weights sum below 1 (weights of 1e-3): the step divides by that sum, not by 1 (it once "
+     "clamped it)")
     import warnings
     from torch import nn
     from fastai.basics import Learner, DataLoaders, noop, SGD
@@ -318,9 +326,10 @@ def test_class_weights_summing_below_one_are_exact():
         assert max((p-q).abs().max().item() for p,q in zip(m.parameters(), ref.parameters())) < 1e-12, type(cb).__name__
 
 def test_auto_rho_is_a_number_and_token_windows_stay_exact(lm_large):
-    """'auto' on a cross-entropy reads the targets per sample once (`AutoNormalize.rate`, one sync per loss): each window's rho
-    is a number on the host, so weighting costs no op per window. Any rho is exact: the padded LM still trains as the large
-    batch, and the plain classifier's rho is accum_bs itself (its targets, none ignored, weighed as samples)"""
+    """'auto' on a cross-entropy reads the targets per sample once (`AutoNormalize.rate`, one sync per loss): each
+    window's rho is a number on the host, so weighting costs no op per window. Any rho is exact: the padded LM still
+    trains as the large batch, and the plain classifier's rho is accum_bs itself (its targets, none ignored, weighed as
+    samples)"""
     read = lm(*split('accum'))
     assert_same_training(lm_large, read)
     ga = next(cb for cb in read.cbs if isinstance(cb, GradientAccumulation))
@@ -333,7 +342,8 @@ def test_auto_rho_is_a_number_and_token_windows_stay_exact(lm_large):
     assert repr(w.counter) == 'ClassTargetCount(ignore_index=-100, per_sample=1)' and w.window.ref == 64
 
 def test_token_count_splits_a_batch_at_once():
-    "`TokenCount.split_counts`: the counts of equal micro-batches at once, as counting each slice gives; `None` where it cannot"
+    ("`TokenCount.split_counts`: the counts of equal micro-batches at once, as counting each slice gives; `None` "
+     "where it cannot")
     y = torch.randint(0, 5, (12, 7)); y[y == 0] = IGNORE
     c = TokenCount(IGNORE)
     v = c.split_counts((y,), [4, 4, 4])
@@ -359,7 +369,8 @@ class IgnoreThrees(Callback):
         y = self.learn.yb[0].clone(); y[y == 3] = -100; self.learn.yb = (y,)
 
 def make(kind, cbs=(), normalize_by='auto', torch_loader=False):
-    "GradientAccumulation(64) on micro-batches of 16, or MicroBatching(16) on batches of 64, on digits (fastai's or PyTorch's loader)"
+    ("GradientAccumulation(64) on micro-batches of 16, or MicroBatching(16) on batches of 64, on digits (fastai's or "
+     "PyTorch's loader)")
     cb = (
         GradientAccumulation(64, normalize_by=normalize_by)
         if kind == 'accum'
@@ -378,7 +389,8 @@ def test_classifier_targets_read_once_weigh_as_samples(kind, torch_loader):
 
 @pytest.mark.parametrize('kind', ['accum', 'micro'])
 def test_classifier_targets_ignored_after_the_loader_are_counted(kind):
-    "A `before_batch` callback sets targets to -100 from the first micro-batch: 'auto' sees it there and counts them, exactly"
+    ("A `before_batch` callback sets targets to -100 from the first micro-batch: 'auto' sees it there and counts "
+     "them, exactly")
     large = quiet(digits_learner(64, shuffle=True, cbs=IgnoreThrees()), 2)
     auto,cb = make(kind, [IgnoreThrees()])
     assert_same_training(large, quiet(auto, 2))
@@ -392,12 +404,14 @@ def test_classifier_targets_ignored_after_the_loader_are_counted(kind):
 
 @pytest.mark.parametrize('kind', ['accum', 'micro'])
 def test_classifier_targets_ignored_later_stop_the_fit(kind):
-    """Targets set to -100 only after the first micro-batch: the epoch's check stops the fit, naming TokenCount; which then
-    counts the targets the loss sees (GradientAccumulation counted them as yielded, before `before_batch`, until issue 26)"""
+    """Targets set to -100 only after the first micro-batch: the epoch's check stops the fit, naming TokenCount; which
+    then counts the targets the loss sees (GradientAccumulation counted them as yielded, before `before_batch`, until
+    issue 26)"""
     auto,cb = make(kind, [IgnoreThrees(start=192)])
     with pytest.raises(
         RuntimeError,
-        match=r"losses averaged over \d+ targets where the micro-batches held 1500.*normalize_by=TokenCount\(ignore_index=-100\)",
+        match=r"losses averaged over \d+ targets where the micro-batches held "
+              r"1500.*normalize_by=TokenCount\(ignore_index=-100\)",
     ):
         quiet(auto)
     assert len(auto.recorder.losses) == 0 or auto.epoch == 0 # stopped at the first epoch's end
@@ -413,7 +427,8 @@ class Ops(TorchDispatchMode):
 
 @pytest.mark.parametrize('kind', ['accum', 'micro'])
 def test_classifier_auto_runs_the_ops_of_samples(kind):
-    "Per micro-batch, 'auto' on a classifier runs the ATen ops of 'samples': only its checks add a few, per fit and per epoch"
+    ("Per micro-batch, 'auto' on a classifier runs the ATen ops of 'samples': only its checks add a few, per fit and "
+     "per epoch")
     counts = {}
     for nb in ('auto', 'samples', TokenCount()):
         learn,_ = make(kind, [RecordOnDevice()], nb)
@@ -426,7 +441,8 @@ def test_classifier_auto_runs_the_ops_of_samples(kind):
     assert tokens-samples > 100 # counting on the device costs ops every micro-batch (94 of them here)
 
 def digits_block_learner(bs, cbs=(), batch_tfms=None):
-    "Digits through a fastai `DataBlock` whose `CategoryBlock` encodes the labels (`Categorize`): fastai's usual classifier data"
+    ("Digits through a fastai `DataBlock` whose `CategoryBlock` encodes the labels (`Categorize`): fastai's usual "
+     "classifier data")
     x,y = digits_data(torch.float64)
     db = DataBlock(blocks=(TransformBlock(), CategoryBlock()), get_x=lambda i: x[i], get_y=lambda i: int(y[i]),
                    splitter=IndexSplitter(range(1500, 1797)), batch_tfms=batch_tfms)
@@ -442,7 +458,8 @@ class ShiftLabels(Transform):
 
 @pytest.mark.parametrize('kind', ['accum', 'micro'])
 def test_categorized_targets_weigh_as_samples(kind):
-    "fastai's `Categorize` gives class indices, never -100: 'auto' weighs by samples, exactly; a user's batch transform: counted"
+    ("fastai's `Categorize` gives class indices, never -100: 'auto' weighs by samples, exactly; a user's batch "
+     "transform: counted")
     large = quiet(digits_block_learner(64), 2)
     make_cb = lambda: GradientAccumulation(64) if kind == 'accum' else MicroBatching(16, verbose=False)
     bs = 16 if kind == 'accum' else 64

@@ -24,7 +24,8 @@ ALLOWED = {
         'an optimizer state tensor is missing',
     ): "an internal check: under FSDP2 every process holds a part of "
     "every parameter, so its optimizer state exists on all processes or on none",
-    ('patches.py', 'could not log config parameters'): "fastai's own message, where its `WandbCallback.before_fit` prints it",
+    ('patches.py', 'could not log config parameters'): "fastai's own message, where its `WandbCallback.before_fit` "
+                                                       "prints it",
 }
 # Warning ids computed from a parameter's name: the ids each can take
 COMPUTED_IDS = {"f'past-{name}'": ['past-start', 'past-finish'], 'name': ['start_accum_bs', 'final_accum_bs']}
@@ -36,7 +37,8 @@ def anchors()->set:
     return set(re.findall(r'\{#([\w-]+)\}', md))
 
 def modules():
-    "Each library module: its file, its parsed source and the imported module (to tell exception classes by what they are)"
+    ("Each library module: its file, its parsed source and the imported module (to tell exception classes by what "
+     "they are)")
     for p in sorted(LIB.rglob('*.py')):
         if p.name == '_modidx.py': continue
         name = '.'.join(('fastxtend_accum',) + p.relative_to(LIB).with_suffix('').parts).removesuffix('.__init__')

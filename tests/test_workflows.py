@@ -1,6 +1,7 @@
-"""The fastai workflows users run, with accumulation, against the large-batch run in float64 (issue 9): default (shuffled,
-drop_last) loaders, every fit method, `lr_find`, other people's callbacks, `ShowGraphCallback`, misuse and import order.
-Real data: scikit-learn's breast-cancer table in `TabularDataLoaders`, fastai's AWD_LSTM on CPython's help topics."""
+"""The fastai workflows users run, with accumulation, against the large-batch run in float64 (issue 9): default
+(shuffled, drop_last) loaders, every fit method, `lr_find`, other people's callbacks, `ShowGraphCallback`, misuse and
+import order. Real data: scikit-learn's breast-cancer table in `TabularDataLoaders`, fastai's AWD_LSTM on CPython's help
+topics."""
 import warnings
 import pytest
 import torch.nn.functional as F
@@ -55,7 +56,8 @@ def lm_samples(n, seq_len=24, start=0):
     return Samples((c[:-1], c[1:]) for c in chunks)
 
 def lm_learn(bs, cbs=None, seed=0, n_train=360):
-    "fastai's AWD_LSTM language model, tiny, in float64, on shuffled (seeded) sequences; fastai's discriminative-lr split"
+    ("fastai's AWD_LSTM language model, tiny, in float64, on shuffled (seeded) sequences; fastai's discriminative-lr "
+     "split")
     set_seed(seed)
     trn,val = lm_samples(n_train),lm_samples(64, start=n_train)
     dls = DataLoaders(FastaiDataLoader(trn, bs=bs, shuffle=True, drop_last=True, device='cpu'),

@@ -1,4 +1,5 @@
-"""`make check-locks`: the locks in `requirements/` resolve from plain PyPI once torch is installed (`make test` runs `--quick`: every pin listed on PyPI).
+"""`make check-locks`: the locks in `requirements/` resolve from plain PyPI once torch is installed (`make test` runs \
+`--quick`: every pin listed on PyPI).
 
 This machine's pip finds a folder of wheels and extra local indexes (its configuration), so `make env` passing here
 proves nothing about a contributor's machine, where pip sees PyPI alone: a pin PyPI lacks (`torch==2.13.0+cpu`) fails
@@ -51,14 +52,16 @@ def pins(*files:Path)->dict[str,str]:
     return res
 
 def site_packages(venv:Path)->Path:
-    return Path(subprocess.check_output([venv/'bin'/'python', '-c', 'import sysconfig; print(sysconfig.get_path("purelib"))'],
+    return Path(subprocess.check_output([venv/'bin'/'python', '-c', 'import sysconfig; '
+                                                                    'print(sysconfig.get_path("purelib"))'],
                                         text=True).strip())
 
 def torch_dists(venv:Path, locks:list[Path])->list[Path]:
     "What `venv`'s torch step installed: torch, torchvision, (a CUDA build) its CUDA libraries; nothing `locks` pins"
     pinned = set(pins(*locks)) | {'fastxtend-accum'}
     ds = [d for d in site_packages(venv).glob('*.dist-info') if norm(d.name.split('-')[0]) not in pinned]
-    if not any(norm(d.name.split('-')[0]) == 'torch' for d in ds): sys.exit(f'{venv}: no torch installed (run `make env`)')
+    if not any(norm(d.name.split('-')[0]) == 'torch' for d in ds): sys.exit(f'{venv}: no torch installed (run `make '
+                                                                            f'env`)')
     return sorted(ds)
 
 def key()->str:
@@ -68,7 +71,8 @@ def key()->str:
     for locks,v,_,_ in CHECKS.values():
         v = ROOT/v
         h.update(str([d.name for d in torch_dists(v, locks)]).encode())
-        h.update(subprocess.check_output([v/'bin'/'python', '-c', 'import sys,sysconfig; print(sys.version, sysconfig.get_platform())']))
+        h.update(subprocess.check_output([v/'bin'/'python', '-c', 'import sys,sysconfig; print(sys.version, '
+                                                                  'sysconfig.get_platform())']))
     return h.hexdigest()[:16]
 
 def start(name:str, locks:list[Path], venv:Path, opts:list[str], torch_pins:str, tmp:Path):
@@ -82,13 +86,15 @@ def start(name:str, locks:list[Path], venv:Path, opts:list[str], torch_pins:str,
     for l in locks: cmd += ['-r', str(l.relative_to(ROOT))]
     if not opts: cmd += ['-c', f'requirements/{torch_pins}']
     print(f'{name}: env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null {" ".join(cmd)}', flush=True)
-    return subprocess.Popen(cmd, cwd=ROOT, env=plain_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), t
+    return subprocess.Popen(cmd, cwd=ROOT, env=plain_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True), t
 
 def judge(name:str, locks:list[Path], report:Path)->list[str]:
     "What pip would install that the locks do not pin, or pin otherwise"
     want = pins(*locks)
     got = {norm(i['metadata']['name']):i['metadata']['version'] for i in json.loads(report.read_text())['install']}
-    bad = [f'{n}=={v} (the lock: {want[n] if n in want else "not pinned"})' for n,v in sorted(got.items()) if want.get(n) != v]
+    bad = [f'{n}=={v} (the lock: {want[n] if n in want else "not pinned"})' for n,v in sorted(got.items())
+           if want.get(n) != v]
     bad += [f'{n}=={v} pinned but not installed' for n,v in sorted(want.items()) if n not in got]
     return bad
 
@@ -131,7 +137,8 @@ def main(force:bool=False, quick_only:bool=False):
                      '`make check-locks` resolves each lock from it in full')
     stamp = CACHE/key()
     if stamp.exists() and not force:
-        print(f'check-locks: these locks passed on {stamp.read_text().strip()} (remembered in {stamp}; --force checks again)')
+        print(f'check-locks: these locks passed on {stamp.read_text().strip()} (remembered in {stamp}; --force checks '
+              f'again)')
         return
     t0,fails = time.time(),torch_on_pypi()
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,7 +146,8 @@ def main(force:bool=False, quick_only:bool=False):
         for n,(p,t) in runs.items():
             out,_ = p.communicate()
             locks = CHECKS[n][0]
-            if p.returncode: fails.append(f'{n}: pip could not resolve {", ".join(l.name for l in locks)} from PyPI:\n{out}')
+            if p.returncode: fails.append(f'{n}: pip could not resolve {", ".join(l.name for l in locks)} from '
+                                          f'PyPI:\n{out}')
             elif (bad := judge(n, locks, t/'report.json')): fails.append(f'{n}: ' + '; '.join(bad))
             elif CHECKS[n][2]: print(f'{n}: {", ".join(l.name for l in locks)}: all {len(pins(*locks))} pins on {PYPI} '
                                      f'(installed with {" ".join(CHECKS[n][2])}, as the Makefile does)')
@@ -156,5 +164,6 @@ def main(force:bool=False, quick_only:bool=False):
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--force', action='store_true', help='check even where these locks passed before')
-    p.add_argument('--quick', dest='quick_only', action='store_true', help='only that PyPI lists every pin (what `make test` runs)')
+    p.add_argument('--quick', dest='quick_only', action='store_true', help='only that PyPI lists every pin (what '
+                                                                           '`make test` runs)')
     main(**vars(p.parse_args()))

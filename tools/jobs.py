@@ -1,4 +1,5 @@
-"""Run shell commands `-j` at a time (`make test`, `make pytest`): each one's output is shown when it ends, with its wall
+"""Run shell commands `-j` at a time (`make test`, `make pytest`): each one's output is shown when it ends, with its \
+wall
 time, and the run fails if any command fails. The commands go through `bash -c`, in the current directory."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     t,failed = time.perf_counter(),[]
     with ThreadPoolExecutor(a.jobs) as ex:
-        for cmd,rc,wall,out in ex.map(run, a.cmds):  # in the order given; each printed once it and those before it ended
+        # in the order given; each printed once it and those before it ended
+        for cmd,rc,wall,out in ex.map(run, a.cmds):
             print(
                 f'\n===== {cmd}\n{out.rstrip()}\n===== {"ok" if rc == 0 else f"FAILED (exit {rc})"} in {wall:.0f} s',
                 flush=True,

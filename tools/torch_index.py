@@ -1,8 +1,9 @@
 """Where `make env` installs PyTorch from: prints the pip options for it (nothing: the indexes pip is configured with).
 
 `TORCH_INDEX` given (`make env TORCH_INDEX=https://download.pytorch.org/whl/cu126`): that index, as named. Otherwise
-PyTorch's CPU index where it answers within 3 seconds (one request, no retries: an unreachable index costs no more), else
-pip's own configuration (PyPI, and whatever a machine adds: here a folder of CPU wheels). A line on stderr says which."""
+PyTorch's CPU index where it answers within 3 seconds (one request, no retries: an unreachable index costs no more),
+else pip's own configuration (PyPI, and whatever a machine adds: here a folder of CPU wheels). A line on stderr says
+which."""
 
 from __future__ import annotations
 import os, sys, threading, urllib.request
@@ -10,7 +11,8 @@ import os, sys, threading, urllib.request
 CPU_INDEX = 'https://download.pytorch.org/whl/cpu'
 
 def answers(url:str, timeout:float=3.)->str|None:
-    "None when `url` answers (HTTP 200) within `timeout` seconds, else why not (a thread: the socket timeout leaves DNS out)"
+    ("None when `url` answers (HTTP 200) within `timeout` seconds, else why not (a thread: the socket timeout leaves "
+     "DNS out)")
     res = ['no answer within %g s' % timeout]
     def get():
         try:
