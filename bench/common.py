@@ -94,10 +94,8 @@ def describe(info:dict)->str:
     gpu = f", GPU {info['gpu']}" if 'gpu' in info else ''
     return (
         f"{info['cpu']}, {info.get('cores_available', info['cpu_count'])} cores available ({info['cpu_count']} in "
-        f"all){gpu}; "
-        f"torch {info['torch']} ({info['torch_threads']} thread(s)), fastai {info['fastai']}, fastcore "
-        f"{info['fastcore']}, "
-        f"Python {info['python']}; load average {info.get('load_avg')} at the start"
+        f"all){gpu}; torch {info['torch']} ({info['torch_threads']} thread(s)), fastai {info['fastai']}, fastcore "
+        f"{info['fastcore']}, Python {info['python']}; load average {info.get('load_avg')} at the start"
     )
 
 def spread(xs)->dict:

@@ -108,8 +108,7 @@ def report(res)->tuple[str,str]:
         f"({res['n_params']:,} float32 parameters), {c['n_train']} digits samples ({c['n_train'] // 2} per process), "
         f"micro-batches of {c['micro_bs']}, accum_bs={c['accum_bs']} per process ({2 * c['accum_bs']} per step), SGD; "
         f"{c['reps']} interleaved repetitions of fit({c['epochs']}) after a warm-up round: {res['steps']} optimizer "
-        f"steps "
-        f"and {res['micro_batches_per_process']} micro-batches per process each."
+        f"steps and {res['micro_batches_per_process']} micro-batches per process each."
     )
     headers = [
         'variant',
@@ -126,8 +125,7 @@ def report(res)->tuple[str,str]:
     r = res['ratio']
     line = (
         f"RATIO time per optimizer step: {OURS} / {FASTAI} = {r['median']:.3f}x [min {r['min']:.3f}, max "
-        f"{r['max']:.3f}] "
-        f"(speed-up {1 / r['median']:.2f}x)"
+        f"{r['max']:.3f}] (speed-up {1 / r['median']:.2f}x)"
     )
     check = f"check max |param diff| between the variants after training: {res['max_param_diff']:.2e} (float32)"
     text = '\n'.join([head, '', text_table(headers, rows), '', line, check])

@@ -139,7 +139,8 @@ def set_mmap_threshold(n:int=MMAP_THRESHOLD)->bool:
 def preload():
     "Import what the children use, once, before forking them"
     # imported for its side effects
-    import torch, fastai.basics, fastai.callback.training, fastai.callback.progress, fastxtend_accum.callback.gradaccum  # noqa: F401
+    import torch, fastai.basics, fastai.callback.training, fastai.callback.progress, \
+        fastxtend_accum.callback.gradaccum  # noqa: F401
     from sklearn.datasets import load_digits
     load_digits()
 
@@ -208,9 +209,8 @@ def report(res:dict)->tuple[str,str]:
     cfg = res['config']
     head = (
         f"Memory: one epoch over one batch of {cfg['batch']} digits samples (repeated), as 1 batch or as {cfg['k']} "
-        f"micro-batches of {cfg['batch'] // cfg['k']}, fastai's Adam; each variant {cfg['reps']} time(s), each time "
-        f"in a process "
-        f"of its own ({'forked after the imports' if cfg['launch'] == 'fork' else 'a fresh interpreter'}). "
+        f"micro-batches of {cfg['batch'] // cfg['k']}, fastai's Adam; each variant {cfg['reps']} time(s), each time in "
+        f"a process of its own ({'forked after the imports' if cfg['launch'] == 'fork' else 'a fresh interpreter'}). "
         f"'increase' = peak - baseline after setup; MB = 2^20 bytes; medians [min, max]; ratio spreads over all pairs "
         f"of repetitions."
     )

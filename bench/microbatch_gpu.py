@@ -128,8 +128,7 @@ def main(argv=None):
         print(f"{torch.cuda.get_device_name(0)}, memory capped at {args.budget_gib:g} GiB of {total/2**30:.1f} GiB")
     print(
         f"model: d={args.d}, d_ff={args.d_ff}, seq={args.seq}; batches of {args.bs}; {args.steps} steps, samples/s "
-        f"over the last "
-        f"{args.measure}; {'fp16 MixedPrecision' if args.amp else 'float32'}"
+        f"over the last {args.measure}; {'fp16 MixedPrecision' if args.amp else 'float32'}"
         + (f'; SIMULATED OOM above {args.simulate} (CPU)' if sim else '')
     )
     sizes = args.sizes or [args.bs >> i for i in range(int(math.log2(args.bs))+1) if args.bs >> i >= 8]

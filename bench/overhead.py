@@ -246,10 +246,9 @@ def ratio_line(key, r)->str:
     t = '' if r['target'] is None else f" target <= {r['target']:.2f}: {'met' if r['met'] else 'NOT met'}"
     w = r['wall']
     return (
-        f"RATIO {key}: {r['variant']} / {r['reference']} = {r['median']:.3f}x CPU time "
-        f"[min {r['min']:.3f}, max {r['max']:.3f}] (best-of {r['best_of']:.3f}x; {r['extra_us_per_micro_batch']:+.0f} "
-        f"us "
-        f"per micro-batch; wall {w['median']:.3f}x [{w['min']:.3f}, {w['max']:.3f}]){t}"
+        f"RATIO {key}: {r['variant']} / {r['reference']} = {r['median']:.3f}x CPU time [min {r['min']:.3f}, max "
+        f"{r['max']:.3f}] (best-of {r['best_of']:.3f}x; {r['extra_us_per_micro_batch']:+.0f} us per micro-batch; wall "
+        f"{w['median']:.3f}x [{w['min']:.3f}, {w['max']:.3f}]){t}"
     )
 
 def report(res:dict)->tuple[str,str]:
@@ -257,17 +256,15 @@ def report(res:dict)->tuple[str,str]:
     cfg = res['config']
     head = (
         f"Overhead: {cfg['reps']} interleaved repetitions of fit({cfg['n_epoch']}) per variant after a warm-up round, "
-        f"{cfg['n_train']} digits samples, micro-batches of {cfg['micro_bs']}, accum_bs={cfg['accum_bs']}, "
-        f"float32, {cfg['threads']} torch thread(s). Times are the process's CPU time (wall-clock time beside it): "
-        f"on a shared machine it leaves out the time other jobs hold the cores, and a training loop on one thread does "
-        f"not wait for anything else. Medians [min, max] over repetitions; ratios are medians [min, max] of the "
-        f"per-repetition ratios (best-of: fastest over fastest); targets are judged on the CPU-time median. "
-        f"'Where the time goes' takes the time per micro-batch apart: the fastai loader (the PyTorch loop over it "
-        f"minus "
-        f"the one over the tensors), fastai's Learner (fastai's GradientAccumulation minus the PyTorch loop over the "
-        f"same "
-        f"loader), this library on top of fastai's own accumulation, and MicroBatching(fixed), which runs fastai's "
-        f"per-batch work once per step."
+        f"{cfg['n_train']} digits samples, micro-batches of {cfg['micro_bs']}, accum_bs={cfg['accum_bs']}, float32, "
+        f"{cfg['threads']} torch thread(s). Times are the process's CPU time (wall-clock time beside it): on a shared "
+        f"machine it leaves out the time other jobs hold the cores, and a training loop on one thread does not wait "
+        f"for anything else. Medians [min, max] over repetitions; ratios are medians [min, max] of the per-repetition "
+        f"ratios (best-of: fastest over fastest); targets are judged on the CPU-time median. 'Where the time goes' "
+        f"takes the time per micro-batch apart: the fastai loader (the PyTorch loop over it minus the one over the "
+        f"tensors), fastai's Learner (fastai's GradientAccumulation minus the PyTorch loop over the same loader), this "
+        f"library on top of fastai's own accumulation, and MicroBatching(fixed), which runs fastai's per-batch work "
+        f"once per step."
     )
     text,md = [head, ''],[f"## Overhead\n\n{head}\n\nMachine: {describe(res['machine'])}\n"]
     headers = ['variant', 'CPU s', 'min', 'max', 'wall s', 'us / micro-batch', 'x no accum', 'x fastai accum']

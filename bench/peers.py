@@ -867,13 +867,11 @@ def report(res:dict)->tuple[str,str]:
         else "times are CPU time, "
     )
     head = (
-        f"Peers: {where}, digits repeated to {N_TRAIN} samples, MLP 64-128-128-10, Adam, micro-batches of "
-        f"{MICRO_BS}, {ACCUM_BS} samples per optimizer step; every peer on its own framework's loader (fastai's with "
+        f"Peers: {where}, digits repeated to {N_TRAIN} samples, MLP 64-128-128-10, Adam, micro-batches of {MICRO_BS}, "
+        f"{ACCUM_BS} samples per optimizer step; every peer on its own framework's loader (fastai's with "
         f"num_workers=0). Versions: {', '.join(f'{k} {v}' for k, v in res['versions'].items())}. The machine was "
-        f"shared "
-        f"with other jobs (load average {res['machine'].get('load_avg')} at the start, {res.get('load_end')} at the "
-        f"end): "
-        f"{clock}ratios measured side by side in each repetition."
+        f"shared with other jobs (load average {res['machine'].get('load_avg')} at the start, {res.get('load_end')} at "
+        f"the end): {clock}ratios measured side by side in each repetition."
     )
     out = [head, '']
     t = res.get('time')
@@ -932,10 +930,8 @@ def report(res:dict)->tuple[str,str]:
                 "as it is): what of the gap to them is fastai's loader.",
                 '',
                 "The median's 95% interval is a bootstrap of the repetitions' ratios (the processes resampled, then "
-                "the "
-                "repetitions within each): 'met' where the median meets the target, and 'beyond noise' where the "
-                "whole interval "
-                "does. "
+                "the repetitions within each): 'met' where the median meets the target, and 'beyond noise' where the "
+                "whole interval does. "
                 + (
                     f"The targets are judged on {t['judged_reps']} further repetitions of their rows alone, in "
                     f"{t.get('judged_procs', 1)} fresh process{'es' if t.get('judged_procs', 1) != 1 else ''} one "
@@ -988,8 +984,7 @@ def report(res:dict)->tuple[str,str]:
         cuda_cols = ['CUDA: per step', 'CUDA: per fit', 'CUDA: where'] if gpu else []
         cuda_text = (
             " On the GPU, the last three columns are what CUDA itself reported "
-            "(`torch.cuda.set_sync_debug_mode('warn')`, "
-            "the loaders' work left out alike), a check of the first ones."
+            "(`torch.cuda.set_sync_debug_mode('warn')`, the loaders' work left out alike), a check of the first ones."
             if gpu
             else ''
         )
@@ -997,14 +992,10 @@ def report(res:dict)->tuple[str,str]:
             "### Host syncs per optimizer step",
             '',
             "What a fit of 2 epochs makes beyond a fit of 1 epoch, over that epoch's 25 optimizer steps (100 "
-            "micro-batches): "
-            "an epoch's own syncs (its records) are spread over its steps; 'per fit' is what the 1-epoch fit made "
-            "beyond its "
-            "epoch (setup, teardown). `.item()`, `bool()`, `.cpu()`, `.tolist()`, `.numpy()` of tensors that would be "
-            "on the "
-            "GPU (`bench/syncs.py`); the loaders' work and `torch.optim`'s host step counts are left out. Where: the "
-            "most "
-            "frequent sites in the 2-epoch fit." + cuda_text,
+            "micro-batches): an epoch's own syncs (its records) are spread over its steps; 'per fit' is what the "
+            "1-epoch fit made beyond its epoch (setup, teardown). `.item()`, `bool()`, `.cpu()`, `.tolist()`, "
+            "`.numpy()` of tensors that would be on the GPU (`bench/syncs.py`); the loaders' work and `torch.optim`'s "
+            "host step counts are left out. Where: the most frequent sites in the 2-epoch fit." + cuda_text,
             '',
             md_table(
                 ['way to train', 'per step', 'per micro-batch', 'per fit', 'kinds, per step', 'where (most frequent)']
@@ -1021,17 +1012,13 @@ def report(res:dict)->tuple[str,str]:
             "### ATen ops per micro-batch: 'auto' against 'samples'",
             '',
             "Every ATen op of a 1-epoch fit (forward, loss, backward, optimizer, the library's bookkeeping), counted "
-            "with a "
-            "`TorchDispatchMode` and divided by the micro-batches: what 'auto' runs beyond 'samples'. The training set "
-            "here is a list of samples whose targets 'auto' reads once, none of them -100 (`ClassTargetCount`): it "
-            "weighs "
-            "the micro-batches by their samples, as 'samples' does, plus the fit's first look at a micro-batch's loss "
-            "and "
-            "each epoch's check of the losses' counts. `normalize_by=TokenCount()` counts the same targets on the "
-            "device "
-            "in every micro-batch (and weighs the loss by them, adds the window's counts and scales the step), as "
-            "'auto' "
-            "did before it read the training set. Unlike a time, it does not depend on the machine's load.",
+            "with a `TorchDispatchMode` and divided by the micro-batches: what 'auto' runs beyond 'samples'. The "
+            "training set here is a list of samples whose targets 'auto' reads once, none of them -100 "
+            "(`ClassTargetCount`): it weighs the micro-batches by their samples, as 'samples' does, plus the fit's "
+            "first look at a micro-batch's loss and each epoch's check of the losses' counts. "
+            "`normalize_by=TokenCount()` counts the same targets on the device in every micro-batch (and weighs the "
+            "loss by them, adds the window's counts and scales the step), as 'auto' did before it read the training "
+            "set. Unlike a time, it does not depend on the machine's load.",
             '',
             md_table(['callbacks (A / B)', 'A', 'B', 'A - B', 'A - B, by op, per micro-batch'], rows),
             '',
@@ -1047,10 +1034,9 @@ def report(res:dict)->tuple[str,str]:
             "### Python calls per micro-batch",
             '',
             "The Python function calls (and calls of builtins from Python) that a fit's second epoch adds, per "
-            "micro-batch "
-            "(`sys.setprofile`): the host's work counted rather than timed, so that it does not depend on the "
-            "machine's load. "
-            "A call is no unit of time: this shows what each way to train asks of the interpreter, not what it costs.",
+            "micro-batch (`sys.setprofile`): the host's work counted rather than timed, so that it does not depend on "
+            "the machine's load. A call is no unit of time: this shows what each way to train asks of the interpreter, "
+            "not what it costs.",
             '',
             md_table(['way to train', 'calls / micro-batch', 'x PyTorch loop'], rows),
             '',

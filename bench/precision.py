@@ -132,8 +132,7 @@ def report(res:dict)->tuple[str,str]:
     head = (
         f"Precision: GradientAccumulation on a bfloat16 MLP, windows of {cfg['k']} micro-batches of {cfg['micro_bs']}, "
         f"{cfg['n_train']} digits samples, fit(1); memory from the torch profiler's allocations (peak over the fit, "
-        f"above "
-        f"the start) and from gradient hooks (gradients + float32 sums); CPU time over {cfg['reps']} interleaved "
+        f"above the start) and from gradient hooks (gradients + float32 sums); CPU time over {cfg['reps']} interleaved "
         f"repetitions."
     )
     text,md = [head, ''],[f"## Precision\n\n{head}\n\nMachine: {describe(res['machine'])}\n"]

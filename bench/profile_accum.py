@@ -370,11 +370,10 @@ def report(cfg, secs:dict, top:str, micro:list, wi:dict|None=None)->str:
         f"{cfg}",
         '',
         f"Untimed fit: **{secs['total_us']:.0f} us per micro-batch** (CPU time of the thread, which leaves out the "
-        f"time other jobs hold the core; median of the repetitions). Timed by parts: "
-        f"{secs['timed_total_us']:.0f} us, of which the timer itself {secs['timer_us']:.0f} us "
-        f"({secs['timer_ns_per_call']:.0f} ns per wrapped call in this fit, {secs['timer_empty_ns']:.0f} ns around an "
-        f"empty function; "
-        f"the former is taken out of each part below, so the parts add up to the untimed fit).",
+        f"time other jobs hold the core; median of the repetitions). Timed by parts: {secs['timed_total_us']:.0f} us, "
+        f"of which the timer itself {secs['timer_us']:.0f} us ({secs['timer_ns_per_call']:.0f} ns per wrapped call in "
+        f"this fit, {secs['timer_empty_ns']:.0f} ns around an empty function; the former is taken out of each part "
+        f"below, so the parts add up to the untimed fit).",
         '',
         '| part | us / micro-batch | calls / micro-batch |',
         '|---|---:|---:|',
@@ -390,17 +389,12 @@ def report(cfg, secs:dict, top:str, micro:list, wi:dict|None=None)->str:
             '',
             "### What-if: fastai's own way put back, one part at a time",
             '',
-            "What the library saves on fastai's per-micro-batch work, while a fit accumulates: its event dispatch "
-            "(the same "
-            "callbacks called in the same order with the same checks, what each defines resolved once per fit; "
-            "`patches`), "
-            "its device step (a batch already on the model's device is not rebuilt; `patches._on_device`), and its "
-            "training "
-            "loader's items as the dataset holds them and batches as collated (`patches.create_batches`). Each row "
-            "puts "
-            "fastai's own back for that part alone. Interleaved repetitions, CPU time per micro-batch in us, median "
-            "[min, "
-            "max], and the ratio to 'as it is':",
+            "What the library saves on fastai's per-micro-batch work, while a fit accumulates: its event dispatch (the "
+            "same callbacks called in the same order with the same checks, what each defines resolved once per fit; "
+            "`patches`), its device step (a batch already on the model's device is not rebuilt; `patches._on_device`), "
+            "and its training loader's items as the dataset holds them and batches as collated "
+            "(`patches.create_batches`). Each row puts fastai's own back for that part alone. Interleaved repetitions, "
+            "CPU time per micro-batch in us, median [min, max], and the ratio to 'as it is':",
             '',
         ]
         for k in u:

@@ -258,8 +258,7 @@ def report(res):
             f"## Real models on {res['device']}",
             '',
             f"A small transformer LM and a GroupNorm CNN ({'bf16 autocast' if res['amp'] else 'float32'}); ratios "
-            f"within each of "
-            f"{res['passes']} passes, median [min, max]. Targets are judged on a GPU only.",
+            f"within each of {res['passes']} passes, median [min, max]. Targets are judged on a GPU only.",
             '',
             md_table(['model', 'optimizer / variant', 'ms per sample', 'peak MiB'], times),
             '',

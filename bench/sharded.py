@@ -161,11 +161,10 @@ def report(res)->tuple[str,str]:
     head = (
         f"Sharded: {res['world_size']} processes (torchrun, gloo, CPU, {c['threads']} torch thread(s) each); MLP "
         f"64-{'-'.join([str(c['hidden'])] * c['layers'])}-10 ({res['n_params']:,} float32 parameters: {full:,} B of "
-        f"gradient), "
-        f"{c['layers'] + 1} Linear layers sharded one by one; {c['n_train']} digits samples "
-        f"({c['n_train'] // res['world_size']} per process), "
-        f"micro-batches of {c['micro_bs']}, accum_bs={c['accum_bs']} per process ({k} micro-batches per window), "
-        f"SGD; {c['reps']} interleaved repetitions of fit({c['epochs']}) after a warm-up round."
+        f"gradient), {c['layers'] + 1} Linear layers sharded one by one; {c['n_train']} digits samples "
+        f"({c['n_train'] // res['world_size']} per process), micro-batches of {c['micro_bs']}, "
+        f"accum_bs={c['accum_bs']} per process ({k} micro-batches per window), SGD; {c['reps']} interleaved "
+        f"repetitions of fit({c['epochs']}) after a warm-up round."
     )
     headers = [
         'variant',

@@ -266,8 +266,7 @@ def main():
     )
     print(
         "before: fastai's loader copies each batch with non_blocking=False; after: pinned, non_blocking (this "
-        "library's fits take "
-        "their training loader's copies over: `patches`; fastai's own rows: the same by hand)"
+        "library's fits take their training loader's copies over: `patches`; fastai's own rows: the same by hand)"
     )
     w = max(len(r[0]) for r in rows)
     print(f"{'':{w}}  {'before':>7} {'copies':>7}  {'after':>7} {'copies':>7}")

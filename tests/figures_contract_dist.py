@@ -57,7 +57,6 @@ if __name__ == '__main__':
             continue
         ref,n = reference(case)
         print(
-            f"{case:26s} vs one process {diff(rs[0]['params'], ref):8.2g}  "
-            f"replicas apart {diff(rs[0]['params'], rs[1]['params']):8.2g}  "
-            f"steps {rs[0]['n_steps']}/{n}"
+            f"{case:26s} vs one process {diff(rs[0]['params'], ref):8.2g}  replicas apart "
+            f"{diff(rs[0]['params'], rs[1]['params']):8.2g}  steps {rs[0]['n_steps']}/{n}"
         )

@@ -25,15 +25,13 @@ def show(how, case, res):
         d = max_diff(r0['params'], [p.detach() for p in ref.model.parameters()])
         return print(
             f'{how:<17} {case:<14} {r0["n_steps"]} steps (one process on the global batches: '
-            f'{len(ref.recorder.losses)}); '
-            f'max |param diff| {d:.2g}; "stopped mid-window" warnings on rank 0: {n_mid}'
+            f'{len(ref.recorder.losses)}); max |param diff| {d:.2g}; "stopped mid-window" warnings on rank 0: {n_mid}'
         )
     lr,mom,d,ref = compare_with_twin(r0, r1, case)
     print(
         f'{how:<17} {case:<14} {r0["n_steps"]} steps (one process on the global windows: {ref["n_steps"]}); max |lr '
-        f'diff| '
-        f'{lr:.2g} (peak lr 1e-2), max |mom diff| {mom:.2g}, max |param diff| {d:.2g}; "stopped mid-window" warnings '
-        f'on rank 0: {n_mid}'
+        f'diff| {lr:.2g} (peak lr 1e-2), max |mom diff| {mom:.2g}, max |param diff| {d:.2g}; "stopped mid-window" '
+        f'warnings on rank 0: {n_mid}'
     )
 
 

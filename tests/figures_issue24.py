@@ -64,8 +64,7 @@ def resume(out):
         launch([HERE/'resume_worker.py', out, tag, res], b)
         print(
             f'resume, {how}: cut after epoch 1 on {a} process(es), resumed on {b}: max |param diff| from the '
-            f'uninterrupted run '
-            f'{params_diff(torch.load(out / f"{tag}-{res}-w{b}.pt"), whole):.3g}'
+            f'uninterrupted run {params_diff(torch.load(out / f"{tag}-{res}-w{b}.pt"), whole):.3g}'
         )
 
 def failfast(out):

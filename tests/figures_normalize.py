@@ -44,8 +44,7 @@ def compare(name, large, other):
     rel,cos = ((h-g).norm()/g.norm()).item(),torch.nn.functional.cosine_similarity(g, h, dim=0).item()
     print(
         f'{name:<62} first step: gradient {rel:.2e} off (cosine {cos:.6f}); after {len(large.recorder.losses):>2} '
-        f'steps: '
-        f'max |weight diff| {tu.max_param_diff(large, other):.1e}'
+        f'steps: max |weight diff| {tu.max_param_diff(large, other):.1e}'
         + (f'; warned: {other.warned[0][:60]}...' if other.warned else '')
     )
 

@@ -84,8 +84,7 @@ def test_same_run_on_any_number_of_processes(runs, case, ref, world):
     held = sorted(set(n for _,n,_ in r['steps']))
     print(
         f'{case} on {world} process(es) vs {ref} on one: {len(r["steps"])} steps of {held} samples, max |lr diff| '
-        f'{lr:.2g}, '
-        f'max |param diff| {w:.3g}'
+        f'{lr:.2g}, max |param diff| {w:.3g}'
     )
     assert lr < 1e-12 and w < 1e-8
     assert r['losses'] == pytest.approx(base['losses'], rel=0, abs=1e-10) # the Recorder's loss per step

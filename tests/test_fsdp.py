@@ -120,8 +120,7 @@ def check_case(case:str, rs:list):
     spec,f = W.parse(case),compare(case, rs)
     print(
         f"{case}: max |param diff| {f['param_diff']:.3g}, max |loss diff| {f['loss_diff']:.3g} over {f['n_steps']} "
-        f"steps; "
-        f"collectives {rs[0]['collectives']}; peak gradient {rs[0]['peak_grad_bytes']:,} B"
+        f"steps; collectives {rs[0]['collectives']}; peak gradient {rs[0]['peak_grad_bytes']:,} B"
     )
     exp = expected_steps(case, len(rs))
     if exp is not None: assert [r['steps'] for r in rs] == exp
@@ -205,8 +204,7 @@ def figures(cases:list[str], nproc:int):
                         if k.startswith('engine') and not k.endswith('bytes'))
         print(
             f"{c}: max |param diff| {f['param_diff']:.2e}, max |loss diff| {f['loss_diff']:.2e} ({f['n_steps']} "
-            f"steps); "
-            f"per window: {per}; peak gradient {rs[0]['peak_grad_bytes']:,} B"
+            f"steps); per window: {per}; peak gradient {rs[0]['peak_grad_bytes']:,} B"
         )
 
 if __name__ == '__main__':

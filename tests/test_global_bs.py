@@ -145,17 +145,14 @@ def test_indivisible_message(runs):
     for r in res['gas_indivisible_dealt'][2]:
         assert r['messages'] == [
             '`start_accum_bs`=100 is not a multiple of the micro-batch size 16 x 2 processes = 32 (global_bs=True): '
-            'its '
-            'windows hold 128 samples (64 per process)' + see('start_accum_bs'),
+            'its windows hold 128 samples (64 per process)' + see('start_accum_bs'),
             '`final_accum_bs`=200 is not a multiple of the micro-batch size 16 x 2 processes = 32 (global_bs=True): '
-            'its '
-            'windows hold 224 samples (112 per process)' + see('final_accum_bs'),
+            'its windows hold 224 samples (112 per process)' + see('final_accum_bs'),
         ]
     for r in res['gas_below'][2]:
         assert (
             '`start_accum_bs`=16 is below the micro-batch size 16 x 2 processes = 32 (global_bs=True): a window holds '
-            'at '
-            'least one micro-batch on each process'
+            'at least one micro-batch on each process'
         ) in r['error']
 
 @pytest.mark.multiprocess
@@ -165,8 +162,7 @@ def test_a_model_not_trained_over_every_process_raises(runs):
     for r in res['unwrapped'][2]:
         assert (
             "`global_bs=True` shares accum_bs=128 over the 2 processes of torch.distributed's default process group, "
-            "but "
-            "the model (Sequential) trains on 1"
+            "but the model (Sequential) trains on 1"
         ) in r['error'] and r['steps'] == []
 
 @pytest.mark.multiprocess
@@ -225,8 +221,7 @@ def test_one_process_indivisible_keeps_its_message():
         fit(GradientAccumulation(100, global_bs=True))
     assert [str(o.message) for o in w if 'divide' in str(o.message)] == [
         'Micro-batches of 16 samples do not divide accum_bs=100: windows close at 112 samples, and each step uses the '
-        'mean '
-        'gradient over its window' + SEE_SIZE
+        'mean gradient over its window' + SEE_SIZE
     ]
 
 def test_bad_flag():

@@ -224,8 +224,7 @@ def test_every_dropped_window_is_reported(how):
         msgs,
         [
             f"Epoch {e}: training stopped mid-window, after {held} samples: that window's gradients were dropped (no "
-            f"optimizer step) "
-            f"(see {doc_link('mid-window')})"
+            f"optimizer step) (see {doc_link('mid-window')})"
             for e in range(3)
         ],
     )

@@ -268,8 +268,7 @@ def test_before_gradient_clip_on_fsdp1(before):
     (l0,w0),(l1,w1) = [r['norms'] for r in before['before_clip_fsdp1']]
     print(
         f'before, GradientClip on FSDP1, first step: each process clips by the norm of its part, {l0[0]:.3g} and '
-        f'{l1[0]:.3g}, '
-        f'where the whole gradient has {w0[0]:.3g}'
+        f'{l1[0]:.3g}, where the whole gradient has {w0[0]:.3g}'
     )
     assert abs(l0[0] - w0[0]) > 0.01
 
@@ -297,7 +296,6 @@ def test_tied_weights_split_by_a_policy_are_refused(tied):
     for r in tied['tied_refused']:
         assert (
             "`0.weight` and `2.weight` are one parameter (tied weights), and the policy shards `0` as a block of its "
-            "own "
-            "without `2`"
+            "own without `2`"
         ) in r['error'], r['error']
         assert 'Nothing was sharded' in r['error'] and r['untouched'] and r['group_after']

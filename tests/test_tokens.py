@@ -94,8 +94,7 @@ def test_auto_padded_lm_pytorch_loss(lm_large, kind, capsys):
     g,h = lm_large.first_step_grad.grad,samples.first_step_grad.grad
     print(
         f"{kind}: max |param diff| 'auto' {max_param_diff(lm_large, auto):.2g}, 'samples' "
-        f"{max_param_diff(lm_large, samples):.2g} "
-        f"(first step {((h - g).norm() / g.norm()).item():.2%} off)"
+        f"{max_param_diff(lm_large, samples):.2g} (first step {((h - g).norm() / g.norm()).item():.2%} off)"
     )
     assert max_param_diff(lm_large, samples) > 1e-4 and (h-g).norm()/g.norm() > 1e-2
 
@@ -292,9 +291,8 @@ def test_auto_hugging_face_gpt2(monkeypatch):
     off = {k: ((l.first_step_grad.grad-g).norm()/g.norm()).item() for k,l in [('auto', auto), ('samples', samples)]}
     print(
         f"transformers {transformers.__version__} GPT-2, {len(large.recorder.losses)} steps: 'auto' first step "
-        f"{off['auto']:.1e} off, "
-        f"max |param diff| {max_param_diff(large, auto):.1e}; 'samples' first step {off['samples']:.2%} off, "
-        f"max |param diff| {max_param_diff(large, samples):.1e}"
+        f"{off['auto']:.1e} off, max |param diff| {max_param_diff(large, auto):.1e}; 'samples' first step "
+        f"{off['samples']:.2%} off, max |param diff| {max_param_diff(large, samples):.1e}"
     )
     assert max_param_diff(large, auto) < 1e-8 and off['auto'] < 1e-10
     assert max_param_diff(large, samples) > 1e-4 and off['samples'] > 1e-2
