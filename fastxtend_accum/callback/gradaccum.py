@@ -40,13 +40,17 @@ class GradientAccumulation(BatchSplitter):
         n_acc = check_positive_int('n_acc', n_acc)
         # fastxtend's 3rd: micro_batch_size
         if isinstance(global_bs, numbers.Integral) and not isinstance(global_bs, (bool, np.bool_)):
-            raise ValueError(linked(f"`global_bs` must be True or False, got {global_bs!r} ({type(global_bs).__name__}): fastxtend's third "
-                             f"parameter is micro_batch_size, this one's global_bs; pass `micro_batch_size={global_bs!r}` by name", 'arguments'))
-        self.micro_batch_size = None if micro_batch_size is None else check_positive_int('micro_batch_size', micro_batch_size)
+            raise ValueError(linked(f"`global_bs` must be True or False, got {global_bs!r} "
+                             f"({type(global_bs).__name__}): fastxtend's third parameter is micro_batch_size, "
+                             f"this one's global_bs; "
+                             f"pass `micro_batch_size={global_bs!r}` by name", 'arguments'))
+        self.micro_batch_size = (None if micro_batch_size is None
+                                 else check_positive_int('micro_batch_size', micro_batch_size))
         self.deal_windows = check_bool('deal_windows', deal_windows)
         self.accum_bs = check_size('accum_bs', n_acc if accum_bs is None else check_positive_int('accum_bs', accum_bs))
         self.n_acc,self.log_accum_batch = n_acc,check_bool('log_accum_batch', log_accum_batch)
-        self.global_bs,self.drop_last = check_bool('global_bs', global_bs),check_bool('drop_last', drop_last, none_ok=True)
+        self.global_bs,self.drop_last = (check_bool('global_bs', global_bs),
+                                         check_bool('drop_last', drop_last, none_ok=True))
         self.verbose = check_bool('verbose', verbose)
         item_counter(normalize_by) # a bad value fails here, not in the fit
         self.normalize_by,self.grad_sync,self.windows = normalize_by,check_grad_sync(grad_sync),WindowState()
@@ -61,7 +65,8 @@ class GradientAccumulation(BatchSplitter):
         check_one_accumulation(self)
         bs = loader_bs(self.dls.train)
         if self.micro_batch_size is not None and bs is not None and bs != self.micro_batch_size:
-            raise ValueError(linked(f"`micro_batch_size`={self.micro_batch_size} but the training loader yields micro-batches of {bs}", 'micro_batch_size'))
+            raise ValueError(linked(f"`micro_batch_size`={self.micro_batch_size} but the training loader yields "
+                                    f"micro-batches of {bs}", 'micro_batch_size'))
         self._abandon_window()
         check_weighable(self.model, accum_bs=self.accum_bs)
         r = self.windows
@@ -88,16 +93,20 @@ class GradientAccumulation(BatchSplitter):
             if self.global_bs and self.deal_windows: deal_windows(self)
             else: agree_processes(self, self.dl)
         r.plan = self._plan_for(self.dl)
-        if not hasattr(self.learn, 'lr_finder') and (msg := dropped_tail_message(r.plan, type(self).__name__)): self._warn_once('dropped-tail', msg)
+        if not hasattr(self.learn, 'lr_finder') and (msg := dropped_tail_message(r.plan, type(self).__name__)):
+            self._warn_once('dropped-tail', msg)
         if r.auto is not None: r.auto.pending = True # read at the first micro-batch, after every `before_train`
         r.i_window,r.skipped_tail = -1,False
         try: empty = len(self.dl) == 0
         except TypeError: empty = False
-        if empty: raise ValueError(linked(f"The training loader (`dls.train`) yields no micro-batch: {type(self).__name__} has nothing to "
-                                   "accumulate (an empty training set, or fewer samples than one batch with `drop_last=True`)", 'empty'))
+        if empty: raise ValueError(linked(f"The training loader (`dls.train`) yields no micro-batch: "
+                                   f"{type(self).__name__} has nothing to accumulate "
+                                   "(an empty training set, or fewer samples than one batch with `drop_last=True`)",
+                                   'empty'))
         self._setup_sync()
-        if r.plan is None: self._warn_once('noplan', "The training loader's micro-batch sizes are not known ahead: windows "
-            "stay exact, but training progress (the hyper-parameter schedule) is counted in micro-batches, not optimizer steps")
+        if r.plan is None: self._warn_once('noplan', "The training loader's micro-batch sizes are not known ahead: "
+            "windows stay exact, but training progress (the hyper-parameter schedule) is counted in micro-batches, "
+            "not optimizer steps")
 
     def after_train(self):
         "No window outlives its epoch; 'auto' checks what it knew ahead once an epoch"
@@ -124,15 +133,16 @@ class GradientAccumulation(BatchSplitter):
             learn.pct_train = r.mb_pct + 1./(learn.n_iter*learn.n_epoch)
 
     def train_batch(self):
-        "The Learner's forward, loss and `_do_grad_opt` (fastai's `_do_one_batch`, or a subclass's that calls `_do_grad_opt`)"
+        "The Learner's forward, loss and `_do_grad_opt` (fastai's `_do_one_batch` or a subclass's)"
         self.learn._do_one_batch()
         self._grad_opt_ran(self.windows.window.mb_done)
 
     def grad_opt(self):
-        "fastai's `_do_grad_opt` for a micro-batch: backward always; the step events, step and `zero_grad` once per window"
+        "fastai's `_do_grad_opt` for a micro-batch: backward always; step events, step and `zero_grad` once per window"
         r = self.windows
         if r.mb_items is None: r.mb_items = self._loss_items() # before any `before_backward` callback adds to the loss
-        elif r.auto is not None and r.auto.classes is not None and not r.auto.observe(self.learn.loss_grad, self.learn.yb, r.mb_samples):
+        elif (r.auto is not None and r.auto.classes is not None
+              and not r.auto.observe(self.learn.loss_grad, self.learn.yb, r.mb_samples)):
             # the fit's first micro-batch held ignored targets (a `before_batch` callback): its loss's targets counted
             # from here
             r.counter = r.auto.loss_counter
@@ -141,7 +151,7 @@ class GradientAccumulation(BatchSplitter):
         self._end_micro_batch()
 
     def _loss_items(self):
-        "The micro-batch's count, of the targets its loss sees: what the loss divided by ('auto': `loss_items`), else counted"
+        "The micro-batch's count of the targets its loss sees: what the loss divided by ('auto'), or counted"
         r,learn = self.windows,self.learn
         c = loss_items(learn.loss_grad) if r.reads_loss else None
         return c if c is not None else check_count(self.normalize_by, r.counter(learn.xb, learn.yb))
@@ -169,7 +179,7 @@ class GradientAccumulation(BatchSplitter):
         return w is not None and w.seen == self.windows.mb_samples
     @property
     def held_bs(self)->int:
-        "Samples in the window over all processes: what it held once closed (an epoch's short last window too), its target before"
+        "Samples in the window over all processes: held once closed (a short last window too), its target before"
         w = self.windows.window
         return int(w.held) if w is not None and w.stepped else self.windows.window_gbs
     @property
@@ -178,7 +188,7 @@ class GradientAccumulation(BatchSplitter):
         return self.windows.train_step
     @property
     def step_iter(self)->int:
-        "This epoch's window: at `before_step`/`after_step`, the `iter` the large batch has there (fastai's `iter` counts micro-batches)"
+        "The epoch's window: at `before_step`/`after_step`, the large batch's `iter` (fastai's counts micro-batches)"
         return self.windows.i_window
     @property
     def n_steps(self)->int:
@@ -236,10 +246,12 @@ class GradientAccumulation(BatchSplitter):
             # as yielded: the first window's rho
             r.first_rate(check_count(self.normalize_by, r.counter(learn.xb, learn.yb)), n)
         if r.plan is not None and n != r.plan.sizes[learn.iter] and not r.count_globally:
-            if r.sync.world_size > 1: raise RuntimeError(linked(f"Process {r.sync.rank}'s training loader yielded a micro-batch of {n} "
-                f"samples where its plan expected {r.plan.sizes[learn.iter]}: the processes' windows could differ", 'plan'))
-            self._warn_once('plan', f"The training loader yielded a micro-batch of {n} samples where {r.plan.sizes[learn.iter]} "
-                            "were expected: windows stay exact, but progress is now counted in micro-batches")
+            if r.sync.world_size > 1: raise RuntimeError(linked(f"Process {r.sync.rank}'s training loader yielded "
+                f"a micro-batch of {n} samples where its plan expected {r.plan.sizes[learn.iter]}: "
+                "the processes' windows could differ", 'plan'))
+            self._warn_once('plan', f"The training loader yielded a micro-batch of {n} samples "
+                            f"where {r.plan.sizes[learn.iter]} were expected: windows stay exact, "
+                            "but progress is now counted in micro-batches")
             r.plan = None
         w.add_yielded(n, learn.iter == learn.n_iter-1, r.drop, self._fills_globally(n) if r.count_globally else None)
         r.pred_mark = vars(learn).get('pred')
@@ -248,7 +260,9 @@ class GradientAccumulation(BatchSplitter):
         learn,r = self.learn,self.windows
         p = r.plan
         if p is not None and p.drop_from is not None and learn.iter >= p.drop_from:
-            if p.n_windows == 0: self._warn_once('empty', f"drop_last=True and the epoch holds fewer than accum_bs={self.accum_bs} samples: no step")
+            if p.n_windows == 0:
+                self._warn_once('empty', f"drop_last=True and the epoch holds fewer than accum_bs={self.accum_bs} "
+                                "samples: no step")
             # a fastai loader drew its shuffle up front: skip the compute of the short window `drop_last` discards. A
             # PyTorch
             # sampler may draw from its seeded generator until exhausted: run the loader to its end, and discard the
@@ -269,16 +283,17 @@ class GradientAccumulation(BatchSplitter):
         r = self.windows
         off = r.plan is not None and n != r.plan.sizes[self.iter]
         tot,n_off = r.sync.sum(n, off).tolist()
-        if n_off: raise ProcessesDisagree(linked(f"{int(n_off)} of the {r.sync.world_size} processes' training loaders yielded a micro-batch "
-            f"their plan did not expect (process {r.sync.rank}: {n} samples, planned {r.plan.sizes[self.iter]}), so their windows "
-            "would differ: their batch samplers do not give the sizes a copy of them gave", 'plan'))
+        if n_off: raise ProcessesDisagree(linked(f"{int(n_off)} of the {r.sync.world_size} processes' training loaders "
+            f"yielded a micro-batch their plan did not expect "
+            f"(process {r.sync.rank}: {n} samples, planned {r.plan.sizes[self.iter]}), so their windows would differ: "
+            "their batch samplers do not give the sizes a copy of them gave", 'plan'))
         r.n_global += int(tot)
         if r.plan is not None: return fills(r.window.seen + n, r.window_bs)
         return fills(r.n_global, r.window_gbs)
 
     # what ends a micro-batch
     def _end_micro_batch(self):
-        "Once per micro-batch, after its backward or its cancel: a stand-in backward where the engine needs one, then the window's step"
+        "Per micro-batch, after its backward or cancel: a stand-in backward if the engine needs one, then the step"
         r = self.windows
         w = r.window
         if w is None or w.mb_done: return
@@ -288,14 +303,14 @@ class GradientAccumulation(BatchSplitter):
         if w.closes: self._step_window()
 
     def _stand_in(self):
-        "Run the collectives a cancelled micro-batch skipped, with a zero gradient: every process's engine communicates alike"
+        "Run the collectives a cancelled micro-batch skipped, with a zero gradient: every process communicates alike"
         learn = self.learn
         pred = learn.pred if vars(learn).get('pred') is not self.windows.pred_mark else learn.model(*learn.xb)
         outs = _grad_outputs(pred)
         if outs: torch.autograd.backward(outs, [torch.zeros_like(t) for t in outs])
 
     def _step_window(self):
-        "Close the window: the exact mean gradient, then one optimizer step that every callback sees (and may cancel) once"
+        "Close the window: the exact mean gradient, then one optimizer step every callback sees (and may cancel) once"
         learn,r = self.learn,self.windows
         w,sync = r.window,r.sync
         if sync.world_size == 1 and not w.samples: return self._abandon_window() # every micro-batch was cancelled
@@ -305,8 +320,9 @@ class GradientAccumulation(BatchSplitter):
         # its totals over processes, the next rho, its loss, and its exact gradient (`WindowState.close`)
         held = r.close(window_key(self.epoch, r.i_window), self._grads)
         if not held: return self._abandon_window() # over all processes, every micro-batch was cancelled
-        if 'size' not in r.warned and r.overfilled(): self._warn_once('size', small_accum_message(r.window_bs, r.mb_samples,
-            type(self).__name__) if r.mb_samples > r.window_bs and not r.count_globally else r.size_message(held))
+        if 'size' not in r.warned and r.overfilled():
+            self._warn_once('size', small_accum_message(r.window_bs, r.mb_samples, type(self).__name__)
+                            if r.mb_samples > r.window_bs and not r.count_globally else r.size_message(held))
         r.train_step += 1
         # the step events see the large batch's loss: the window's (a NaN in any micro-batch too), and the loss whose
         # gradient it is
@@ -327,7 +343,7 @@ class GradientAccumulation(BatchSplitter):
 
     # sizes
     def _window_pct(self)->float:
-        "Training progress the window's hyper-parameters are scheduled at: in optimizer steps where the plan is known, else its first micro-batch's"
+        "Progress the window's hyper-parameters are scheduled at: in steps with a plan, else its first micro-batch's"
         r = self.windows
         return r.mb_pct if r.plan is None else (self.epoch + r.i_window/r.plan.n_windows)/self.n_epoch
 
@@ -336,42 +352,50 @@ class GradientAccumulation(BatchSplitter):
         return self.accum_bs
 
     def _plan_for(self, dl)->WindowPlan|None:
-        "The epoch's windows in `dl`, where its sizes are known ahead, with `drop_last` resolved against it (`None`: the loader's)"
+        "The epoch's windows in `dl` if its sizes are known ahead, `drop_last` resolved (`None`: the loader's)"
         self.windows.drop = loader_drop_last(dl) if self.drop_last is None else self.drop_last
         sizes = micro_batch_sizes(dl)
         return None if sizes is None else self._plan(sizes)
 
-    def _plan(self, sizes:list[int])->WindowPlan: return WindowPlan(sizes, self.windows.per_process(self.accum_bs), self.windows.drop)
+    def _plan(self, sizes:list[int])->WindowPlan:
+        return WindowPlan(sizes, self.windows.per_process(self.accum_bs), self.windows.drop)
 
     # the engine
     def _setup_sync(self):
-        "The sync object of the model's engine, checked against the processes sizes were planned for; the processes' plans compared"
+        "The model engine's sync, checked against the processes sizes were planned for; the processes' plans compared"
         r = self.windows
         if self._engine(): # fastai's `DistributedTrainer` wraps the model after our `before_fit`
             n = r.world_size
             if self.global_bs and r.sync.world_size != n: # sizes were planned for `n` processes since `before_fit`
-                raise raised_everywhere(ValueError(linked(f"`global_bs=True` shares accum_bs={self.accum_bs} over the {n} processes of torch.distributed's "
-                    f"default process group, but the model ({type(self.model).__name__}) trains on {r.sync.world_size}: wrap it "
-                    "for distributed training over every process (fastai's `distrib_ctx`), or pass `global_bs=False`", 'global-bs-group')))
+                raise raised_everywhere(ValueError(linked(f"`global_bs=True` shares accum_bs={self.accum_bs} "
+                    f"over the {n} processes of torch.distributed's default process group, "
+                    f"but the model ({type(self.model).__name__}) "
+                    f"trains on {r.sync.world_size}: wrap it for distributed training over every process "
+                    "(fastai's `distrib_ctx`), or pass `global_bs=False`", 'global-bs-group')))
             r.world_size = n = r.sync.world_size
             if n > 1 and r.sync.rank == 0 and self.verbose:
-                if self.global_bs: print(linked(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per optimizer step (global_bs=True) = "
-                                         f"{self.windows.per_process(self.accum_bs)} samples per process x {n} processes", 'global-bs'))
-                else: print(linked(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process x {n} processes = "
+                if self.global_bs: print(linked(f"{type(self).__name__}: accum_bs={self.accum_bs} samples "
+                                         f"per optimizer step (global_bs=True) = "
+                                         f"{self.windows.per_process(self.accum_bs)} samples per process "
+                                         f"x {n} processes", 'global-bs'))
+                else: print(linked(f"{type(self).__name__}: accum_bs={self.accum_bs} samples per process "
+                            f"x {n} processes = "
                             f"{self.accum_bs*n} samples per optimizer step", 'global-bs'))
         if r.sync.world_size == 1: r.count_globally = False; return
         # processes whose plans differ close windows on the global count; a plan read ahead is checked on every
         # micro-batch
         n = len(self.dl) if r.plan is None else len(r.plan.sizes) # what this process yields, whatever `len` says
         s = r.sync
-        r.plan,r.count_globally = plans_agree(r.plan, n, _read_ahead(self.dl), s.reduce, s.world_size, s.rank, s.device, s.engine)
+        r.plan,r.count_globally = plans_agree(r.plan, n, _read_ahead(self.dl), s.reduce, s.world_size, s.rank, s.device,
+                                              s.engine)
 
     # gradients
     def _drop_open_window(self, epoch:int):
         "Drop a window `epoch` ended in (a loader whose `len` over-reports, an epoch cut short), and say so"
         r = self.windows
-        if r.open and r.window.samples: warn(f"Epoch {epoch}: training stopped mid-window, after {r.window.samples} samples: "
-                                             "that window's gradients were dropped (no optimizer step)", 'mid-window')
+        if r.open and r.window.samples: warn(f"Epoch {epoch}: training stopped mid-window, "
+                                             f"after {r.window.samples} samples: that window's gradients were dropped "
+                                             "(no optimizer step)", 'mid-window')
         self._abandon_window()
 
     def _abandon_window(self):

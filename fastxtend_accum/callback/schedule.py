@@ -19,11 +19,14 @@ __all__ = ['GradientAccumulationSchedule']
 def _check_point(name:str, value)->float|int:
     "`value` as a training position: an `int` epoch index or a `float` fraction of training"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(linked(f"`{name}` must be a float (fraction of training) or an int (epoch index), got {value!r} ({type(value).__name__})", 'start-finish'))
-    if not math.isfinite(value): raise ValueError(linked(f"`{name}` must be a finite training position, got {value!r}", 'start-finish'))
+        raise ValueError(linked(f"`{name}` must be a float (fraction of training) or an int (epoch index), "
+                                f"got {value!r} ({type(value).__name__})", 'start-finish'))
+    if not math.isfinite(value):
+        raise ValueError(linked(f"`{name}` must be a finite training position, got {value!r}", 'start-finish'))
     if value < 0: raise ValueError(linked(f"`{name}` must not be negative, got {value!r}", 'start-finish'))
     if isinstance(value, numbers.Integral): return int(value)
-    if value > 1: raise ValueError(linked(f"`{name}`={value!r} is beyond training: as a float it is a fraction of training, at most 1.0 "
+    if value > 1: raise ValueError(linked(f"`{name}`={value!r} is beyond training: "
+                                   f"as a float it is a fraction of training, at most 1.0 "
                                    f"(pass an int for an epoch index)", 'start-finish'))
     return float(value)
 
@@ -31,8 +34,10 @@ def _check_point(name:str, value)->float|int:
 def _check_sched_value(schedule, pct:float, v)->float:
     "The size `schedule` gave at progress `pct`, or a `ValueError` that names the schedule and the value"
     if isinstance(v, Tensor) and v.numel() == 1: v = v.item()
-    if isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v) and v > 0: return float(v)
-    raise ValueError(linked(f"`schedule`={getattr(schedule, '__name__', schedule)!r} gave {v!r} at {pct:g} of the schedule: "
+    if isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v) and v > 0:
+        return float(v)
+    raise ValueError(linked(f"`schedule`={getattr(schedule, '__name__', schedule)!r} gave {v!r} at {pct:g} "
+                     "of the schedule: "
                      "an accumulation size must be a finite, positive number", 'schedule'))
 
 # %% ../../nbs/callback.schedule.ipynb #8944b307
@@ -54,19 +59,24 @@ class GradientAccumulationSchedule(GradientAccumulation):
         final_accum_bs = check_size('final_accum_bs', check_positive_int('final_accum_bs', final_accum_bs))
         # fastxtend's order: ..., schedule, micro_batch_size, log_accum_batch
         if isinstance(micro_batch_size, (bool, np.bool_)):
-            raise ValueError(linked(f"`micro_batch_size` must be a positive integer or None, got {micro_batch_size!r}: it is the 6th "
-                             "parameter (fastxtend's order: start_accum_bs, final_accum_bs, start, finish, schedule, micro_batch_size, "
-                             f"log_accum_batch, drop_last); for the log, pass `log_accum_batch={micro_batch_size!r}` by name", 'arguments'))
+            raise ValueError(linked(f"`micro_batch_size` must be a positive integer or None, got {micro_batch_size!r}: "
+                             "it is the 6th parameter (fastxtend's order: start_accum_bs, final_accum_bs, start, "
+                             "finish, schedule, micro_batch_size, log_accum_batch, drop_last); for the log, "
+                             f"pass `log_accum_batch={micro_batch_size!r}` by name", 'arguments'))
         if micro_batch_size is not None: micro_batch_size = check_positive_int('micro_batch_size', micro_batch_size)
         start,finish = _check_point('start', start),_check_point('finish', finish)
         if type(start) == type(finish) and start > finish:
-            raise ValueError(linked(f"`start`={start!r} is after `finish`={finish!r}: the schedule must start before it finishes", 'start-finish'))
+            raise ValueError(linked(f"`start`={start!r} is after `finish`={finish!r}: "
+                                    "the schedule must start before it finishes", 'start-finish'))
         # fastai's module, imported when first needed
         if schedule is None: from fastai.callback.schedule import SchedCos as schedule
-        if not callable(schedule): raise ValueError(linked(f"`schedule` must be a fastai annealer such as `SchedCos`, got {schedule!r}", 'schedule'))
+        if not callable(schedule):
+            raise ValueError(linked(f"`schedule` must be a fastai annealer such as `SchedCos`, got {schedule!r}",
+                                    'schedule'))
         try: sched = schedule(start_accum_bs, final_accum_bs)
         except TypeError as e:
-            raise ValueError(linked(f"`schedule` must be called as `schedule(start, end)`, like `SchedCos`: {schedule!r} raised {e}", 'schedule')) from None
+            raise ValueError(linked(f"`schedule` must be called as `schedule(start, end)`, like `SchedCos`: "
+                                    f"{schedule!r} raised {e}", 'schedule')) from None
         for p in (0., 0.5, 1.): _check_sched_value(schedule, p, sched(p)) # a bad size now, not mid-fit
         super().__init__(start_accum_bs, log_accum_batch=log_accum_batch, drop_last=drop_last, **kwargs)
         store_attr('start_accum_bs,final_accum_bs,start,finish,schedule,micro_batch_size')
@@ -74,10 +84,11 @@ class GradientAccumulationSchedule(GradientAccumulation):
 
     @property
     def accum_bs(self)->int:
-        "The size the schedule gives now: the open window's target (fastxtend's `accum_bs`), `start_accum_bs` before a fit"
+        "The schedule's size now: the open window's target (fastxtend's `accum_bs`); `start_accum_bs` before a fit"
         return self.__dict__.get('_target') or self.start_accum_bs
+    # `GradientAccumulation.__init__`: the schedule's own from here
     @accum_bs.setter
-    def accum_bs(self, v): self.__dict__['_target'] = None # `GradientAccumulation.__init__`: the schedule's own from here
+    def accum_bs(self, v): self.__dict__['_target'] = None
 
     def before_fit(self):
         "Place `start` and `finish` in this fit, and find the micro-batch size if the loader states it"
@@ -88,8 +99,10 @@ class GradientAccumulationSchedule(GradientAccumulation):
         if hasattr(self.learn, 'lr_finder'): self.pct_start = self.pct_finish = math.inf
         else: self.pct_start,self.pct_finish = self._pct_of('start', self.start),self._pct_of('finish', self.finish)
         if self.pct_start > self.pct_finish:
-            raise ValueError(linked(f"`start`={self.start!r} is after `finish`={self.finish!r} in a fit of {self.n_epoch} epochs "
-                             f"(at {self.pct_start:g} and {self.pct_finish:g} of training)", 'start-finish'))
+            raise ValueError(linked(f"`start`={self.start!r} is after `finish`={self.finish!r} "
+                             f"in a fit of {self.n_epoch} epochs "
+                             f"(at {self.pct_start:g} and {self.pct_finish:g} of training)",
+                             'start-finish'))
         # checked against each other in `super().before_fit`
         self.micro_bs = self.micro_batch_size or loader_bs(self.dls.train)
         if self.micro_bs is not None: self._check_sizes()
@@ -118,10 +131,11 @@ class GradientAccumulationSchedule(GradientAccumulation):
         "Without a `ParamScheduler`, give the Recorder `hps` of lr and accum_bs so that `plot_sched` shows them"
         super().after_fit()
         rec = getattr(self.learn, 'recorder', None)
-        if rec is not None and self._param_scheduler() is None: rec.hps = {'lr': list(rec.lrs), 'accum_bs': self.accum_bss}
+        if rec is not None and self._param_scheduler() is None:
+            rec.hps = {'lr': list(rec.lrs), 'accum_bs': self.accum_bss}
 
     def accum_bs_at(self, pct:float)->int:
-        "Samples a window opening at training progress `pct` holds (over all processes with `global_bs`), a multiple of the micro-batch size"
+        "Samples in a window opening at `pct` (all processes' with `global_bs`): a multiple of the micro-batch size"
         if pct < self.pct_start: v = self.start_accum_bs
         elif pct >= self.pct_finish: v = self.final_accum_bs
         else:
@@ -142,7 +156,8 @@ class GradientAccumulationSchedule(GradientAccumulation):
         if self.micro_bs is None and sizes:
             self.micro_bs = sizes[0]
             self._check_sizes()
-        return WindowPlan(sizes, lambda i: self.windows.per_process(self.accum_bs_at(self._pct(i, len(sizes)))), self.windows.drop)
+        return WindowPlan(sizes, lambda i: self.windows.per_process(self.accum_bs_at(self._pct(i, len(sizes)))),
+                          self.windows.drop)
 
     def _window_pct(self)->float:
         "Hyper-parameters follow the same clock as the size: training progress at the window's first micro-batch"
@@ -153,12 +168,13 @@ class GradientAccumulationSchedule(GradientAccumulation):
         # `fine_tune`'s one-epoch frozen fit, say: hold the size the schedule reaches at the end
         if value > self.n_epoch:
             self._warn_once(f'past-{name}', f"`{name}`={value} is past the end of this fit of {self.n_epoch} epoch(s): "
-                            f"the schedule {dict(start='starts', finish='finishes')[name]} at the end of training instead")
+                            f"the schedule {dict(start='starts', finish='finishes')[name]} "
+                            f"at the end of training instead")
             return 1.
         return value/self.n_epoch
 
     def _unit(self)->int:
-        "The step a window's size moves by: a micro-batch, on every process with `global_bs` (what the processes share exactly)"
+        "The step a window's size moves by: a micro-batch, on each process with `global_bs` (what they share exactly)"
         return self.micro_bs*(self.windows.world_size if self.global_bs else 1)
 
     def _check_sizes(self):
