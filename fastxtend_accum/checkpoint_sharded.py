@@ -14,7 +14,7 @@ try: # PyTorch 2.6 and later: the distributed checkpoint (DCP) and its state dic
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, set_model_state_dict,
                                                          get_optimizer_state_dict, set_optimizer_state_dict)
 except ImportError: dcp = None
-from .distributed import sharding_engine
+from .distributed import sharding_engine, default_rank, default_world_size
 from .messages import linked
 
 # %% auto #0
@@ -24,7 +24,6 @@ __all__ = ['META', 'FORMAT', 'save_sharded', 'load_sharded']
 META = 'sharded.json' # beside DCP's files: every value that is not a tensor (hyper-parameters, step counts, flags)
 FORMAT = 'fastxtend_accum.checkpoint_sharded/1'
 
-def _world()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 def _engine(model:nn.Module)->str:
     "'fsdp2', or 'plain' for a model no FSDP shards; FSDP1 refused"
@@ -108,14 +107,15 @@ def save_sharded(folder:Path|str, # The checkpoint's folder (created): DCP's fil
     tensors = {}
     enc = _encode(sd, (), tensors)
     folder.mkdir(parents=True, exist_ok=True)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = default_rank() == 0
     if rank0: # an older checkpoint there goes first (FileSystemWriter's names): a save cut short leaves none to load
         for f in [folder/META, folder/'.metadata', *folder.glob('__*_*.distcp')]: f.unlink(missing_ok=True)
     if dist.is_initialized(): dist.barrier()
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder)) # each process its shards (fsynced), rank 0 the index
     if rank0:
         shapes = {k: dict(shape=list(t.shape), dtype=str(t.dtype).removeprefix('torch.')) for k,t in tensors.items()}
-        _write_json(dict(format=FORMAT, world_size=_world(), engine=engine, optimizer=kind, tensors=shapes, state=enc),
+        _write_json(dict(format=FORMAT, world_size=default_world_size(), engine=engine, optimizer=kind, tensors=shapes,
+                         state=enc),
                     folder/META)
     if dist.is_initialized(): dist.barrier() # the checkpoint is whole when any process returns
     return folder
@@ -257,7 +257,7 @@ def _check(folder:Path, model:nn.Module, opt, kind:str|None, names:dict)->tuple:
         targets.update(opt_targets)
     if err is None: return meta,targets,None
     return meta,targets,(f"Cannot load the sharded checkpoint {folder} (saved on {meta['world_size']} processes, "
-                         f"loaded on {_world()}): {err}", 'mismatch')
+                         f"loaded on {default_world_size()}): {err}", 'mismatch')
 
 def load_sharded(folder:Path|str, # A folder save_sharded wrote, on any number of processes
                  model:nn.Module, # The model as the Learner holds it: sharded with FSDP2, or plain

@@ -15,8 +15,8 @@ from .precision import all_reduce_mean
 from .messages import linked
 
 # %% auto #0
-__all__ = ['GRAD_SYNCS', 'split_loader', 'samples_per_process', 'default_world_size', 'check_grad_sync', 'WindowSync',
-           'ProcessGroupSync', 'DDPSync', 'FSDP1Sync', 'FSDP2Sync', 'sharding_engine', 'window_sync']
+__all__ = ['GRAD_SYNCS', 'split_loader', 'samples_per_process', 'default_world_size', 'default_rank', 'check_grad_sync',
+           'WindowSync', 'ProcessGroupSync', 'DDPSync', 'FSDP1Sync', 'FSDP2Sync', 'sharding_engine', 'window_sync']
 
 # %% ../nbs/distributed.ipynb #93c672cd
 def split_loader(dl, # A training loader
@@ -37,11 +37,14 @@ def samples_per_process(dl, # A training loader
 # %% ../nbs/distributed.ipynb #a7c1f0e2
 def default_world_size()->int:
     "Processes in torch.distributed's default group (1 without one): the world size a fit trains over, at `before_fit`"
-    # `distrib_ctx` and the launchers initialize the group before the fit; the engine (DDP, FSDP) wraps the model later,
-    # in
-    # fastai's `DistributedTrainer.before_fit`, and its process group is this one: `GradientAccumulation` checks they
-    # agree
+    # `distrib_ctx` and the launchers initialize the group before the fit; the engine (DDP, FSDP) wraps the model
+    # later, in fastai's `DistributedTrainer.before_fit`, and its process group is this one (`GradientAccumulation`
+    # checks they agree)
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+def default_rank()->int:
+    "This process's rank in torch.distributed's default group (0 without one)"
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 # %% ../nbs/distributed.ipynb #1b3d0e71
 GRAD_SYNCS = ('auto', 'window', 'micro_batch')

@@ -12,7 +12,7 @@ import errno, hashlib, json, os, random, re, shutil, socket, stat, tempfile, tim
 from fastai.learner import SkipToEpoch
 import fastai
 from . import __version__
-from .distributed import sharding_engine
+from .distributed import sharding_engine, default_rank, default_world_size
 from .messages import linked
 from .window import raised_everywhere
 from .export import LeftOutOfExport
@@ -158,8 +158,6 @@ def _data(o):
                                  f"{type(o).__qualname__}: {o!r:.200}", 'resume-pickle'))
 
 # %% ../nbs/resume.ipynb #f64fc0b2
-def _rank()->int: return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-def _world()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 def _plain(model:nn.Module)->nn.Module:
     return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
 def _shuffle_source(dl):
@@ -210,7 +208,7 @@ def run_record(learn:Learner, # At before_fit, before a callback changed the opt
     dl = learn.dls.train
     return dict(model=_model_id(learn.model), loss=repr(learn.loss_func)[:300], n_epoch=learn.n_epoch,
                 accumulation=accum, micro_bs=getattr(dl, 'bs', None), n_samples=len(dl.dataset),
-                optimizer=_optimizer(learn), hypers=hypers, schedule=scheds, world_size=_world(),
+                optimizer=_optimizer(learn), hypers=hypers, schedule=scheds, world_size=default_world_size(),
                 versions={'fastxtend_accum': __version__, 'fastai': fastai.__version__})
 
 _NAMES = dict(loss='loss function', n_epoch='epochs', micro_bs='micro-batch size (the training loader\'s bs)',
@@ -265,7 +263,7 @@ def save_weights(folder:Path, # The checkpoint's (temporary) folder, on every pr
     if _is_sharded(model):
         from .checkpoint_sharded import save_sharded
         return save_sharded(folder, model, opt)
-    if _rank(): return
+    if default_rank(): return
     _write_fd(_open_new(folder/'model.pt'), _plain(model).state_dict())
     if opt is not None: _write_fd(_open_new(folder/'optimizer.pt'), opt_state(opt))
 
@@ -395,20 +393,20 @@ def weights_digest(model:nn.Module, # The model as the Learner holds it
 
 def _bcast(o):
     "Rank 0's `o`, on every process (one small `broadcast_object_list`)"
-    if _world() == 1: return o
+    if default_world_size() == 1: return o
     box = [o]; dist.broadcast_object_list(box, src=0); return box[0]
 
 def _gather(o)->list:
     "Every process's `o`, on every process"
-    if _world() == 1: return [o]
-    res = [None]*_world(); dist.all_gather_object(res, o); return res
+    if default_world_size() == 1: return [o]
+    res = [None]*default_world_size(); dist.all_gather_object(res, o); return res
 
 def _agree(err:str|None, what:str):
     "Raise on every process if any process failed (`err`: its message): none is left waiting in a collective"
     errs = [(r, e) for r,e in enumerate(_gather(err)) if e]
     strip = lambda e: re.sub(r' \(see https?://\S+\)$', '', e) # one link, at the end
     if errs: raise raised_everywhere(CheckpointError(linked(f"{what}: " + '; '.join(
-        (f'process {r}: ' if _world() > 1 else '') + strip(e) for r,e in errs), 'resume')))
+        (f'process {r}: ' if default_world_size() > 1 else '') + strip(e) for r,e in errs), 'resume')))
 
 # %% ../nbs/resume.ipynb #a37cb002
 _COUNTERS = ('i_window', 'train_step', 'n_steps') # the window engine's: this epoch's window, this fit's steps
@@ -468,45 +466,47 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         if self.every_n_steps: self.learn.add_cb(_MidEpoch(self))
         k,record = self.i_fit,run_record(self.learn) # a fit that raised keeps its index: the next one resumes it
         self.records = self.records[:k] + [record]
-        if self.identity is None and _rank() == 0: self.identity = weights_digest(self.model) # the run's first weights
-        what,arg = _bcast(self._plan(k, record) if _rank() == 0 else None) # rank 0's decision, for every process
+        # the run's first weights
+        if self.identity is None and default_rank() == 0: self.identity = weights_digest(self.model)
+        what,arg = _bcast(self._plan(k, record) if default_rank() == 0 else None) # rank 0's decision, for every process
         if what == 'error': raise raised_everywhere(arg) # the same error on every process: none waits for another
         if what == 'fresh':
-            if arg and _rank() == 0: print(linked(arg, 'resume-identity'))
+            if arg and default_rank() == 0: print(linked(arg, 'resume-identity'))
             return
         path,meta,note = arg
         folder,err = Path(path),None
         try:
             load_weights(folder, meta, self.model, self.opt)
-            mine = f'process-{_rank()}.pt' # another number of processes: rank 0's state where this rank has none
+            mine = f'process-{default_rank()}.pt' # another number of processes: rank 0's state where this rank has none
             st = load_file(folder, mine if mine in meta['files'] else 'process-0.pt', meta, mmap=False)
         except CheckpointError as e: err = str(e)
         except Exception as e: err = linked(f'Cannot resume from {folder}: {_why(e)}', 'resume')
         _agree(err, 'ResumeCheckpoint')
-        if _rank() == 0: self.identity = meta['identity']
+        if default_rank() == 0: self.identity = meta['identity']
         self.records = meta['fits'][:k] + [record]
         restore_process_state(self.learn, st, scaler=False)
         self.learn.train_iter = meta['train_iter']
         done = meta['fit'] > k # an earlier fit of the run: done, all its epochs skipped
         mid = None if done else meta.get('mid') # saved after a step: the epoch resumed at its next micro-batch
-        if mid is not None and meta['world_size'] != _world():
+        if mid is not None and meta['world_size'] != default_world_size():
             raise raised_everywhere(ValueError(linked(f"{folder} was saved in the middle of epoch {meta['epoch']} by "
-                f"{meta['world_size']} process(es), and this run has {_world()}: a mid-epoch checkpoint resumes on the "
-                "processes that saved it (their shares of the epoch). Start as many, or resume=False", 'resume-steps')))
+                f"{meta['world_size']} process(es), and this run has {default_world_size()}: a mid-epoch checkpoint "
+                "resumes on the processes that saved it (their shares of the epoch). Start as many, or resume=False",
+                'resume-steps')))
         self.start = self.n_epoch if done else meta['epoch']+(mid is None)
         self.pending = None if done else (st, meta.get('recorder'))
         if mid is not None: # restored after the loader's own draws
             self.mid,self.rate = mid,st.get('rate')
             self.learn.add_cb(_Streams(st))
             if not self.every_n_steps: self.learn.add_cb(_MidEpoch(self))
-        if _rank() == 0:
+        if default_rank() == 0:
             at = '' if mid is None else f", micro-batch {mid['iter']} (optimizer step {mid['counters']['train_step']})"
             how = (f"resumed at epoch {self.start}{at} of {self.n_epoch}" if self.start < self.n_epoch
                    else "was completed before: its epochs are skipped")
             print(linked(f"ResumeCheckpoint: fit {k} of this run {how} ({folder}, saved after fit {meta['fit']} epoch "
                          f"{meta['epoch']}){note}", 'resume'))
-        saved,now = meta['world_size'],_world()
-        if saved != now and _rank() == 0:
+        saved,now = meta['world_size'],default_world_size()
+        if saved != now and default_rank() == 0:
             which = (f"processes {saved} to {now-1} take process 0's random and shuffle states" if now > saved
                      else f"the states of processes {now} to {saved-1} are not used")
             print(linked(f"ResumeCheckpoint: the checkpoint was saved by {saved} process(es), and this run has {now}: "
@@ -572,7 +572,7 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         "Refuse, before the epoch trains, the cases where a mid-epoch checkpoint would not resume exactly"
         dl,why = self.dl,None
         ddl = f'{type(dl).__module__}.{type(dl).__name__}' == 'fastai.distributed.DistributedDL' # not imported here
-        plain = ddl if _world() > 1 else dl is _shuffle_source(dl) # the epoch's order: its `get_idxs`
+        plain = ddl if default_world_size() > 1 else dl is _shuffle_source(dl) # the epoch's order: its `get_idxs`
         if not isinstance(dl, DataLoader) or dl.prebatched or not plain:
             why = f'a training loader of type {type(dl).__name__}' + (' (windows dealt over the processes: '
                   'global_bs=True)' if type(dl).__name__ == 'WindowDealtDL' else '')
@@ -630,7 +630,7 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
 
     def save(self, mid:dict|None=None):
         "Write this point of the run as a new checkpoint folder (collective: each process its state, rank 0 metadata)"
-        name,rank = f'fit-{self.i_fit}-step-{self.train_iter}',_rank()
+        name,rank = f'fit-{self.i_fit}-step-{self.train_iter}',default_rank()
         final,tmp,err = self.folder/name,None,None
         if rank == 0:
             try:
@@ -664,7 +664,7 @@ class ResumeCheckpoint(LeftOutOfExport, Callback):
         "Rank 0: the metadata (each file's sha256 and size), the folder renamed into place and fsynced; old ones pruned"
         files = {str(p.relative_to(tmp)): file_digest(p) for p in sorted(tmp.rglob('*')) if p.is_file()}
         meta = dict(format=FORMAT, run_id=self.run_id, identity=self.identity, fit=self.i_fit, fits=self.records,
-                    epoch=self.epoch, n_epoch=self.n_epoch, train_iter=self.train_iter, world_size=_world(),
+                    epoch=self.epoch, n_epoch=self.n_epoch, train_iter=self.train_iter, world_size=default_world_size(),
                     sharded=_is_sharded(self.model), recorder=recorder_state(self.learn), time=time.time(), files=files,
                     mid=mid,
                     versions=dict(self.records[-1]['versions'], torch=torch.__version__))
