@@ -133,7 +133,7 @@ def _failed(learn, e:BaseException):
 def _fit_of(learn)->_Fit|None: return vars(learn).get('_fxa_fit')
 
 def _batch_owner(learn)->AccumView|None:
-    "`training_owner` in the fit class, without the callbacks: the fit's owner while it trains and holds its batches"
+    "`training_owner` in the fit class, not looking through callbacks: the fit's owner while it trains, holding batches"
     if not learn.training: return None
     o = learn.__dict__['_fxa_fit'].owners.get('accum')
     if o is None: return None
@@ -183,8 +183,7 @@ def kept_class(cls:type, # The Learner's own class
     kc = _kept_classes.get((cls, *parts))
     if kc is None:
         ns = dict(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__, _kept_of=cls,
-                  _fastai_class=cls,
-                  __reduce_ex__=FitTakeover.__reduce_ex__)
+                  _fastai_class=cls, __reduce_ex__=FitTakeover.__reduce_ex__)
         kc = _kept_classes[(cls, *parts)] = type(cls.__name__, (*parts, cls), ns)
     return kc
 
@@ -204,19 +203,16 @@ def take_over(learn:Learner, # The Learner whose fit starts
         raise TypeError(linked(f"{cls.__name__}{' (this instance)' if bad[0] in vars(learn) else ''} overrides "
             f"Learner.{bad[0]}, which {type(owner).__name__} takes over for the fit "
             f"({', '.join(getattr(owner, 'takes_over', ()))}): with accumulation, its own {bad[0]} would be skipped, "
-            "or would step "
-            "once per micro-batch. Move what it adds into a callback (before_step, after_backward...), "
-            "or train this Learner "
-            f"without {type(owner).__name__}", 'learner-subclass'))
+            "or would step once per micro-batch. Move what it adds into a callback (before_step, after_backward...), "
+            f"or train this Learner without {type(owner).__name__}", 'learner-subclass'))
     if fit is None:
         vars(learn)['_fxa_fit'] = fit = _Fit(cls)
         learn.__class__ = fit_class(cls, fastai_own())
         fit.watch_before_fit(learn, owner)
     if sum(o is owner for o in learn.cbs) > 1: # the fit class's `remove_cbs` leaves it attached as it was
-        raise ValueError(linked(f"This {type(owner).__name__} is passed to `fit(cbs=...)` but is already attached "
-                                "to the Learner (`Learner(cbs=...)` or `add_cb`): "
-                                "it would count every micro-batch twice. Pass it once",
-                                'two-accumulations'))
+        raise ValueError(linked(f"This {type(owner).__name__} is passed to `fit(cbs=...)` but is already attached to "
+                                "the Learner (`Learner(cbs=...)` or `add_cb`): it would count every micro-batch twice. "
+                                "Pass it once", 'two-accumulations'))
     fit.owners[key] = owner
     try:
         for hook in FIT_HOOKS: hook(learn, fit)
@@ -245,7 +241,7 @@ def give_back(learn:Learner, # A Learner whose fit ended
 _fastai_to_device,_CPU = fastai.learner.to_device,torch.device('cpu')
 
 def _on_device(learn:Learner, b):
-    "`learn._set_device(b)`, fastai's: where each tensor of the batch is already where it would go, the batch (no copy)"
+    "`learn._set_device(b)`, fastai's: the batch as is (no copy) where each of its tensors is already where it would go"
     __tracebackhide__ = True
     # fastai moves the batch to the model's first parameter's device ('cpu' if `defaults.use_cuda` is False), and
     # `Tensor.to`
@@ -293,9 +289,8 @@ class FitTakeover:
         self._split(b)
         with acc.micro_batch(): self._with_events(acc.train_batch, 'batch', CancelBatchException)
 
-    @takes_over('Learner._do_grad_opt', "backward every micro-batch, the step events, "
-                "step and `zero_grad` once per window "
-                "(`MicroBatching`: once per batch, after its micro-batches)")
+    @takes_over('Learner._do_grad_opt', "backward every micro-batch, the step events, step and `zero_grad` once per "
+                "window (`MicroBatching`: once per batch, after its micro-batches)")
     def _do_grad_opt(self):
         "fastai's backward, step and `zero_grad`; while training, the accumulation callback's (a step once per window)"
         __tracebackhide__ = True
@@ -349,10 +344,9 @@ class FitTakeover:
         if p is None: return super()._call_one(event_name)
         p(self.cbs.items, event_name)
 
-    @takes_over('Learner.remove_cbs', "fastai's `fit` removes its callbacks in a `finally`: "
-                "a fit that raised (an error "
-                "left its events or epochs) is given back there, with no window's gradients left "
-                "and the other processes stopped")
+    @takes_over('Learner.remove_cbs', "fastai's `fit` removes its callbacks in a `finally`: a fit that raised (an "
+                "error left its events or epochs) is given back there, with no window's gradients left and the other "
+                "processes stopped")
     def remove_cbs(self, cbs):
         "fastai's `remove_cbs`; at the end of a fit that raised, all given back, other processes told (`failfast`)"
         __tracebackhide__ = True
@@ -368,7 +362,7 @@ class FitTakeover:
     @takes_over('Learner.__reduce_ex__',
                 "pickled during the fit (`export` from a callback), the Learner is its own class")
     def __reduce_ex__(self, protocol):
-        "The Learner pickled as its own class, without what the fit took over: the file loads where this library is not"
+        "The Learner pickled as its own class, without what the fit took over: it loads where this library isn't installed"
         state = self.__getstate__() # fastai's `Learner.__getstate__` (without the lock), or its subclass's
         if isinstance(state, dict) and '_fxa_fit' in state: state = {k:v for k,v in state.items() if k != '_fxa_fit'}
         return (copyreg._reconstructor, (self._fastai_class, object, None), state)
@@ -383,7 +377,7 @@ def _fastais(dl, *names:str)->bool:
     return all(getattr(cls, n) is _FASTAI_DL[n] and n not in own for n in names)
 
 def _items_as_held(dl)->bool:
-    "Whether fastai's `do_item` gives `dl.dataset[s or 0]` as is: fastai's `do_item`, `create_item`, an indexed dataset"
+    "Whether `do_item` gives `dl.dataset[s or 0]` as is: fastai's `do_item`, `create_item`, indexed data, no item tfm"
     if not dl.indexed or not _fastais(dl, 'do_item', 'create_item'): return False
     tfm = vars(dl).get('after_item')
     return _fastais(dl, 'after_item') or (type(tfm) is Pipeline and not tfm.fs) # `TfmdDL`'s, empty
@@ -415,9 +409,9 @@ def _held_batch(dl, b:list):
         and all(type(o) is Tensor for o in first)): return res
     return dl.retain(res, b)
 
-@takes_over('DataLoader.create_batches', "an accumulating fit's training items taken as the dataset holds them, "
-            "and batches as collated, "
-            "where fastai's `do_item` and `retain` give just that", how='instance (the training loader, for the epoch)')
+@takes_over('DataLoader.create_batches', "an accumulating fit's training items taken as the dataset holds them, and "
+            "batches as collated, where fastai's `do_item` and `retain` give just that",
+            how='instance (the training loader, for the epoch)')
 def create_batches(dl:FastaiDataLoader, samps):
     "fastai's `create_batches` for `dl`, with `dataset[s or 0]` and the collated batch where fastai's gives them as is"
     if dl.prebatched or not _fastais(dl, 'chunkify'):
@@ -434,9 +428,8 @@ class _CopyThen:
     # `decode`, `fs`: the Pipeline's (no recursion in a copy)
     def __getattr__(self, k): return getattr(object.__getattribute__(self, 'after'), k)
 
-@takes_over('DataLoader.after_batch', "with `device` None for the epoch: "
-            "the training batches copied to the device pinned and `non_blocking=True`, "
-            "not blocking as fastai's loader does, before `after_batch` as in fastai",
+@takes_over('DataLoader.after_batch', "with `device` None for the epoch: the training batches copied to the device "
+            "pinned and `non_blocking=True`, not blocking as fastai's loader does, before `after_batch` as in fastai",
             how='instance (the training loader, for the epoch)')
 @contextlib.contextmanager
 def _copies_non_blocking(learn, dl):
@@ -492,8 +485,7 @@ def _plain(cb)->bool:
     "Whether fastai's `Callback.__call__` calls `cb` and its missing attributes go to the Learner as `GetAttr`'s"
     cls = type(cb)
     return (isinstance(cb, Callback) and cls.__call__ is _fastai_cb_call and is_fastais(_fastai_cb_call)
-            and cls.__getattr__ is GetAttr.__getattr__
-            and cls.__getattribute__ is object.__getattribute__
+            and cls.__getattr__ is GetAttr.__getattr__ and cls.__getattribute__ is object.__getattribute__
             and cls._component_attr_filter is GetAttr._component_attr_filter
             and cls._default == 'learn' and getattr(cls, '_xtra', None) is None and '_xtra' not in vars(cb))
 
@@ -684,10 +676,9 @@ def _shared_tmp(self):
     dist.broadcast_object_list(p, src=0)
     self.tmp_p = p[0]
 
-@adapts('fastai.callback.schedule', 'LRFinder', 'after_fit',
-        "several processes: every one loads the weights back, and waits "
-        "for the others before process 0 removes the file "
-        "(fastai's loads on process 0 only, which waits at a barrier forever)")
+@adapts('fastai.callback.schedule', 'LRFinder', 'after_fit', "several processes: every one loads the weights back, "
+        "and waits for the others before process 0 removes the file (fastai's loads on process 0 only, which waits at "
+        "a barrier forever)")
 def _lrfinder_after_fit(self, acc):
     "fastai's `after_fit`; several processes: each loads process 0's file back, then they meet before it is removed"
     if num_distrib() <= 1: return fastai_class('fastai.callback.schedule', 'LRFinder').after_fit(self)
