@@ -362,7 +362,7 @@ class FitTakeover:
     @takes_over('Learner.__reduce_ex__',
                 "pickled during the fit (`export` from a callback), the Learner is its own class")
     def __reduce_ex__(self, protocol):
-        "The Learner pickled as its own class, without what the fit took over: it loads where this library isn't installed"
+        "The Learner pickled as its own class, without what the fit took over: it loads without this library"
         state = self.__getstate__() # fastai's `Learner.__getstate__` (without the lock), or its subclass's
         if isinstance(state, dict) and '_fxa_fit' in state: state = {k:v for k,v in state.items() if k != '_fxa_fit'}
         return (copyreg._reconstructor, (self._fastai_class, object, None), state)
