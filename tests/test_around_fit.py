@@ -86,7 +86,11 @@ def test_wandb_swaps_no_module_global(tmp_path, monkeypatch):
     assert len(seen) == 1
     changed = [k for k in before if seen[0].get(k) is not before[k]]
     assert not changed, changed
-    assert config['GradientAccumulation']['accum_bs'] == 64 and config['Learner']['lr'] == pytest.approx(0.1)
+    assert config['Learner']['lr'] == pytest.approx(0.1)
+    # fastcore 2 (fastai 2.8.12): the library formats the config, with the callback's arguments; fastcore 1 (fastai
+    # 2.8.7): fastai's own `before_fit` runs untouched and logs what fastai logs for a callback (`True`)
+    fastcore2 = 'init_args' in W._format_config_value.__code__.co_names
+    assert config['GradientAccumulation']['accum_bs'] == 64 if fastcore2 else config['GradientAccumulation'] is True
 
 class EmptiesABatch(Callback):
     "Empties the 2nd training batch (0 samples), as a filter dropping every sample of a batch would"
