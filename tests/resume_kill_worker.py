@@ -6,7 +6,7 @@ The script: digits (1,000 samples, fastai's default loaders seeded), a float64 M
 `OUT/TAG`. PHASE `whole`: uninterrupted; `kill`: process 1 kills itself (SIGKILL) at micro-batch 3 of epoch 2 in the
 first attempt, and torchrun starts both processes again (the same script: the callback finds the checkpoint of epoch 1).
 Each process writes `OUT/TAG-rank<r>.pt` at the end: its parameters, each step's lr, the attempt it finished in."""
-import os, signal, sys
+import os, sys
 import torch, torch.nn as nn, torch.distributed as dist
 from fastai.basics import *
 import fastai.callback.schedule # noqa: F401 (fit_one_cycle)
@@ -14,34 +14,19 @@ import fastai.callback.schedule # noqa: F401 (fit_one_cycle)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import ddp_worker as W
-
-class Lrs(Callback):
-    order = 7
-    def before_fit(self): self.lrs = []
-    def before_step(self): self.lrs.append((self.epoch, float(self.opt.hypers[-1]['lr'])))
-
-class Kill(Callback):
-    "Process 1, first attempt: SIGKILL at micro-batch 3 of epoch 2 (no exception, no cleanup)"
-    def before_batch(self):
-        if self.training and self.epoch == 2 and self.iter == 3: os.kill(os.getpid(), signal.SIGKILL)
+from resume_common import start, digits_dls, Lrs, Kill
 
 def main(out:str, tag:str, phase:str):
-    torch.set_num_threads(1)
-    rank,attempt = int(os.environ.get('RANK', 0)),int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
-    W.fastai_distributed()
-    from datetime import timedelta
-    dist.init_process_group('gloo', timeout=timedelta(seconds=W.PG_TIMEOUT))
+    rank,attempt = start()
     from fastxtend_accum.all import GradientAccumulation
     from fastxtend_accum.resume import ResumeCheckpoint
-    from fastxtend_accum.test_utils import digits_data, Float64SmoothLoss, Samples
-    x,y = digits_data()
-    trn,val = Samples(zip(x[:1000], y[:1000])),Samples(zip(x[-256:], y[-256:]))
-    set_seed(0)
-    dls = DataLoaders.from_dsets(trn, val, bs=8, device='cpu', num_workers=0)
+    from fastxtend_accum.test_utils import Float64SmoothLoss
+    dls = digits_dls()
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10)).double()
     set_seed(100 + rank) # a stream per process: each process's dropout masks are its own
     cbs = [Float64SmoothLoss(), GradientAccumulation(64, global_bs=True), Lrs(), ResumeCheckpoint('run')]
-    if phase == 'kill' and rank == 1 and attempt == 0: cbs.append(Kill())
+    # process 1, first attempt: micro-batch 3 of epoch 2
+    if phase == 'kill' and rank == 1 and attempt == 0: cbs.append(Kill(2, 3))
     learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=Adam, lr=1e-2, path=Path(out)/tag, cbs=cbs)
     with learn.distrib_ctx(cpu=True), learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(4, 1e-2)
     torch.save(dict(params=[p.detach().clone() for p in learn.model.parameters()], lrs=learn.lrs.lrs, attempt=attempt),

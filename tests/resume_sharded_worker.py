@@ -10,8 +10,7 @@ and torchrun starts both processes again; `cut`: the fit stops after epoch 1 (it
 script again (it finds the checkpoint; `FXA_IGNORE=model`: `ResumeCheckpoint(ignore=('model',))`).
 Each process writes `OUT/TAG-<PHASE>-rank<r>.pt`: the parameters (whole) at the end; with Adam's state, after each
 epoch and when the first trained epoch starts; each step's lr, the attempt, the error that stopped the fit."""
-import contextlib, os, signal, sys
-from datetime import timedelta
+import contextlib, os, sys
 import torch, torch.nn as nn, torch.distributed as dist
 from fastai.basics import *
 import fastai.callback.schedule # noqa: F401 (fit_one_cycle)
@@ -19,6 +18,7 @@ import fastai.callback.schedule # noqa: F401 (fit_one_cycle)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import ddp_worker as W
+from resume_common import start, digits_dls, Kill
 
 def whole(t): return (t.full_tensor() if hasattr(t, 'full_tensor') else t).detach().clone()
 
@@ -35,33 +35,23 @@ class Record(Callback):
     def before_step(self): self.lrs.append((self.epoch, float(self.opt.hypers[-1]['lr'])))
     def after_epoch(self): self.epochs[self.epoch] = self.state()
 
-class Kill(Callback):
-    "Process 1, first attempt: SIGKILL at micro-batch 3 of epoch 2 (no exception, no cleanup)"
-    def before_batch(self):
-        if self.training and self.epoch == 2 and self.iter == 3: os.kill(os.getpid(), signal.SIGKILL)
-
 class StopAfter(Callback):
     order = 70 # after `ResumeCheckpoint` saved the epoch
     def after_epoch(self):
         if self.epoch == 1: raise CancelFitException()
 
 def main(out:str, tag:str, phase:str, mode:str):
-    torch.set_num_threads(1)
-    rank,attempt = int(os.environ.get('RANK', 0)),int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
-    W.fastai_distributed()
-    dist.init_process_group('gloo', timeout=timedelta(seconds=W.PG_TIMEOUT))
+    rank,attempt = start()
     from fastxtend_accum.all import GradientAccumulation
     from fastxtend_accum.resume import ResumeCheckpoint
     import fastxtend_accum.sharded # noqa: F401 (learn.sharded_ctx)
-    from fastxtend_accum.test_utils import digits_data, digits_mlp, Float64SmoothLoss, Samples
-    x,y = digits_data()
-    trn,val = Samples(zip(x[:1000], y[:1000])),Samples(zip(x[-256:], y[-256:]))
-    set_seed(0)
-    dls = DataLoaders.from_dsets(trn, val, bs=8, device='cpu', num_workers=0)
+    from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
+    dls = digits_dls()
     rec = Record()
     ignore = tuple(k for k in os.environ.get('FXA_IGNORE', '').split(',') if k) # keys of the run's record
     cbs = [Float64SmoothLoss(), GradientAccumulation(64, global_bs=True), rec, ResumeCheckpoint('run', ignore=ignore)]
-    if phase == 'kill' and rank == 1 and attempt == 0: cbs.append(Kill())
+    # process 1, first attempt: micro-batch 3 of epoch 2
+    if phase == 'kill' and rank == 1 and attempt == 0: cbs.append(Kill(2, 3))
     if phase == 'cut': cbs.append(StopAfter())
     model = digits_mlp(seed=0)
     if mode == 'user': # sharded by the user before the Learner (FSDP2): it is sharded when `ResumeCheckpoint` reads
