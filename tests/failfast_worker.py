@@ -2,16 +2,18 @@
 CPU): `python -m torch.distributed.run --nproc_per_node=N tests/failfast_worker.py OUT CASE FAIL_RANK`.
 
 Every process trains a float64 MLP on digits with `GradientAccumulation(64, global_bs=True)` under `distrib_ctx`; at its
-6th micro-batch, process FAIL_RANK raises `ValueError`. CASE `caught`: its script catches the error and goes on to
-`dist.barrier()`, as a script that logs the error and waits for the others does; `lives`: it catches the error and goes
-on for LIVE_S seconds, holding its Learner and its DDP model (a notebook kernel); `killed`: it is killed (SIGKILL)
-instead; `interrupt`: nothing raises, the fit runs on until the test sends Ctrl-C (process 1 slower: process 0 waits in
-DDP's all-reduce); `sharded`: as FAIL_RANK -1, under `sharded_ctx` (FSDP2), every process saving the model each failed
-fit left; `sharded-lives`: `lives` under `sharded_ctx` (FSDP2); `uncaught`: the error ends it. Each process
-writes `OUT/rank<r>.json` the moment its fit ends: when (`time.time()`), with what error, and what the barrier did
-after. FAIL_RANK -1: every process raises (an error all of them meet): each keeps its own, and the process group stays,
-so the script's barrier passes; then a second fit fails on process 1 only, as in `caught`. CASE `apart`: the same,
-process 0 raising APART_S seconds after process 1 (it sleeps first: a slower process, busy outside any collective)."""
+6th micro-batch, process FAIL_RANK raises `ValueError`, once every other process reached that micro-batch (files, no
+collective) and, where it fails alone, `SETTLE_S` later: the order is the case's, whatever the load. CASE `caught`: its
+script catches the error and goes on to `dist.barrier()`, as a script that logs the error and waits for the others does;
+`lives`: it catches the error and goes on for LIVE_S seconds, holding its Learner and its DDP model (a notebook kernel);
+`killed`: it is killed (SIGKILL) instead; `interrupt`: nothing raises, the fit runs on until the test sends Ctrl-C
+(process 1 slower: process 0 waits in DDP's all-reduce); `sharded`: as FAIL_RANK -1, under `sharded_ctx` (FSDP2), every
+process saving the model each failed fit left; `sharded-lives`: `lives` under `sharded_ctx` (FSDP2); `uncaught`: the
+error ends it. Each process writes `OUT/rank<r>.json` the moment its fit ends: when (`time.time()`), with what error,
+and what the barrier did after. FAIL_RANK -1: every process raises (an error all of them meet): each keeps its own, and
+the process group stays, so the script's barrier passes; then a second fit fails on process 1 only, as in `caught`. CASE
+`apart`: the same, process 0 raising APART_S seconds after process 1 (it sleeps first: a slower process, busy outside
+any collective)."""
 import json, os, signal, sys, time
 import torch, torch.nn as nn, torch.distributed as dist
 from datetime import timedelta
@@ -30,15 +32,34 @@ class Fail(Callback):
     def before_batch(self):
         # `interrupt`: process 1 is the slower one, so that process 0 waits in DDP's all-reduce (C++) when Ctrl-C comes
         if INTERRUPT and self.training and dist.get_rank() == 1: time.sleep(.3)
-        if self.training and self.iter == self.at and self.rank in (-1, dist.get_rank()):
-            if dist.get_rank() == 0 and self.delay0: time.sleep(self.delay0)
-            elif self.rank != -1 or dist.get_rank() == 1 or not self.delay0:
-                with open(self.out + 'failed_at', 'w') as f: f.write(repr(time.time()))
-            if KILLED: os.kill(os.getpid(), signal.SIGKILL) # `killed`: gone without a word (kill -9, the OOM killer)
-            if INTERRUPT: return  # `interrupt`: the test sends Ctrl-C (SIGINT to torchrun's process group) from here on
-            raise ValueError(
-                f'a bad batch at micro-batch {self.at} on process {dist.get_rank() if self.rank == -1 else self.rank}'
-            )
+        if not (self.training and self.iter == self.at): return
+        rank,n = dist.get_rank(),dist.get_world_size()
+        arrive(self.out, rank)
+        if self.rank not in (-1, rank): return # a peer: on to its collective
+        # the processes' order is the case's, not the load's: a failing process raises once the others reached this
+        # micro-batch (each of them past its check for a peer's failure), and, where one fails alone, after they had
+        # `SETTLE_S` to enter the collective it waits in
+        if rank == 0 and self.delay0: time.sleep(self.delay0) # `apart`: the slower process, busy outside a collective
+        else:
+            wait_for(self.out, [r for r in range(n) if r != rank])
+            if self.rank != -1: time.sleep(SETTLE_S)
+            with open(self.out + 'failed_at', 'w') as f: f.write(repr(time.time()))
+        if KILLED: os.kill(os.getpid(), signal.SIGKILL) # `killed`: gone without a word (kill -9, the OOM killer)
+        if INTERRUPT: return  # `interrupt`: the test sends Ctrl-C (SIGINT to torchrun's process group) from here on
+        raise ValueError(f'a bad batch at micro-batch {self.at} on process {rank}')
+
+SETTLE_S = 2. # seconds a process that fails alone gives the others, at its micro-batch, to enter their collective
+
+def arrive(out, rank):
+    "Process `rank` reached the failing micro-batch (a file: no collective)"
+    with open(f'{out}at-{rank}', 'w'): pass
+
+def wait_for(out, ranks, timeout=120.):
+    "Wait until each of `ranks` reached the failing micro-batch"
+    end = time.monotonic() + timeout
+    while not all(os.path.exists(f'{out}at-{r}') for r in ranks):
+        if time.monotonic() > end: raise TimeoutError(f'processes {ranks} did not reach the micro-batch in {timeout} s')
+        time.sleep(.02)
 
 
 def write(out, rank, **res):
