@@ -8,7 +8,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch
 import contract_worker as W
-from test_distributed import free_port
+from test_distributed import torchrun
 from test_contract import reference
 
 def diff(a, b): return max((p-q).abs().max().item() for p,q in zip(a, b))
@@ -16,18 +16,7 @@ def diff(a, b): return max((p-q).abs().max().item() for p,q in zip(a, b))
 if __name__ == '__main__':
     for case in W.CASES:
         out = tempfile.mkdtemp()
-        cmd = [
-            sys.executable,
-            '-m',
-            'torch.distributed.run',
-            '--nproc_per_node=2',
-            '--max_restarts=0',
-            '--master_addr=127.0.0.1',
-            f'--master_port={free_port()}',
-            os.path.join(HERE, 'contract_worker.py'),
-            out,
-            case,
-        ]
+        cmd = torchrun(2, os.path.join(HERE, 'contract_worker.py'), out, case, max_restarts=0)
         t = time.perf_counter()
         try:
             p = subprocess.run(

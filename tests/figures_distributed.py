@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_distributed import *
 from test_distributed import _nbclient
+import test_distributed as TD
 
 def show(how, case, res):
     r0,r1 = res
@@ -53,9 +54,7 @@ def launched(how, cmd_of, cases, env=ENV):
         if p.returncode: failed(how, case, p.stdout + p.stderr)
         else: show(how, case, [torch.load(out/f'{case}-rank{r}.pt') for r in range(2)])
 
-def torchrun(out, case):
-    return [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-            f'--master_port={free_port()}', WORKER, str(out), case]
+def torchrun(out, case): return TD.torchrun(2, WORKER, out, case)
 
 def accelerate(out, case):
     return [

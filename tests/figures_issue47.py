@@ -5,7 +5,7 @@ Not a test (pytest does not collect it). After: `PYTHONPATH=. .venv/bin/python t
 repository's root; before: `D=/tmp/before47; mkdir -p $D; git archive 19b0588 fastxtend_accum | tar -x -C $D`, then
 `PYTHONPATH=$D:tests`. The script run by each process: `fit_one_cycle(2)` on digits (batches of 256), phase `whole`
 uninterrupted, `cut` stopped after epoch 0 (its checkpoint saved), `resume` the same script again."""
-import json, os, resource, socket, subprocess, sys, tempfile
+import json, os, resource, subprocess, sys, tempfile
 from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
@@ -43,13 +43,12 @@ def worker(out:str, phase:str):
     W.exit_worker()
 
 def main():
+    from test_distributed import torchrun # here, not at the top: the processes torchrun starts run `worker` alone
     out = Path(tempfile.mkdtemp())
     res = {}
     for phase in ('whole', 'cut', 'resume'):
-        with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
         d = out/('whole' if phase == 'whole' else 'cut')
-        cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-               f'--master_port={port}', __file__, 'worker', str(d), phase]
+        cmd = torchrun(2, __file__, 'worker', d, phase)
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS='1'))
         if p.returncode: raise RuntimeError(p.stderr[-3000:])
         res[phase] = [json.loads((d/f'{phase}-rank{r}.json').read_text()) for r in range(2)]

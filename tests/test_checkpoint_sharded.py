@@ -3,10 +3,10 @@
 load it and train on, equal to the fit that was not cut; the state loaded on 1 or 2 processes from a checkpoint of 2 or
 1 is the state saved, exactly; DCP's index is read as data (no code of it runs). The workers are
 `checkpoint_sharded_worker.py`."""
-import os, re, subprocess, sys
+import os, re, subprocess
 import pytest, torch
 pytestmark = [pytest.mark.multiprocess]
-from test_distributed import free_port
+from test_distributed import torchrun
 from test_sharded import opt_diff, max_diff
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -17,8 +17,7 @@ TIMEOUT = 600 # seconds for a whole launch (2 loaded cores); a collective that h
 def launch(out, cases, n=2, src=None):
     "Run the cases on `n` processes under torchrun (bounded); what each rank wrote, by case"
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--max_restarts=0',
-           '--master_addr=127.0.0.1', f'--master_port={free_port()}', WORKER, str(out), ','.join(cases)]
+    cmd = torchrun(n, WORKER, out, ','.join(cases), max_restarts=0)
     cmd += [str(src)] if src else []
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=ENV, cwd=os.path.dirname(HERE))
     errors = '\n'.join(l for l in p.stderr.splitlines() if re.search(r'\[rank\d\]: \S*(Error|Exception)\b', l))

@@ -118,25 +118,14 @@ def test_bad_counters_and_sizes_name_the_parameter():
 
 # ---- two processes
 import contract_worker as W
-from test_distributed import free_port
+from test_distributed import torchrun
 # seconds for the whole launch on a loaded 2-core machine; a collective that hangs fails after W.PG_TIMEOUT s
 TIMEOUT = 420
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp('contract')
-    cmd = [
-        sys.executable,
-        '-m',
-        'torch.distributed.run',
-        '--nproc_per_node=2',
-        '--max_restarts=0',
-        '--master_addr=127.0.0.1',
-        f'--master_port={free_port()}',
-        os.path.join(HERE, 'contract_worker.py'),
-        str(out),
-        ','.join(W.CASES),
-    ]
+    cmd = torchrun(2, os.path.join(HERE, 'contract_worker.py'), out, ','.join(W.CASES), max_restarts=0)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=os.path.dirname(HERE),
                        env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore'))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]

@@ -8,7 +8,7 @@ one more step. The worker is `dealing_worker.py`."""
 import os, subprocess, sys
 import pytest, torch
 pytestmark = [pytest.mark.multiprocess]
-from test_distributed import free_port, ENV, HERE
+from test_distributed import torchrun, ENV, HERE
 
 WORKER = os.path.join(HERE, 'dealing_worker.py')
 # seconds for a launch (4 processes on 2 loaded cores); a collective that hangs fails after the group's timeout
@@ -39,19 +39,7 @@ def runs(tmp_path_factory):
         if world == 1:
             run([sys.executable, WORKER, str(out), ','.join(cases)])
         else:
-            run(
-                [
-                    sys.executable,
-                    '-m',
-                    'torch.distributed.run',
-                    f'--nproc_per_node={world}',
-                    '--master_addr=127.0.0.1',
-                    f'--master_port={free_port()}',
-                    WORKER,
-                    str(out),
-                    ','.join(cases),
-                ]
-            )
+            run(torchrun(world, WORKER, out, ','.join(cases)))
     return {(c, w): torch.load(out/f'{c}-w{w}.pt') for w,cs in CASES.items() for c in cs}
 
 def diffs(r, ref):

@@ -4,9 +4,9 @@ order's broadcast, the windows' all-reduces): every process raises `ProcessesDis
 processes, within seconds; before, process 1 aborted in gloo's C++ (SIGABRT, "collective mismatch"). Worker:
 `disagree_worker.py`."""
 
-import json, os, subprocess, sys, time
+import json, os, subprocess, time
 import pytest
-from test_distributed import free_port, ENV, HERE
+from test_distributed import torchrun, ENV, HERE
 
 WORKER = os.path.join(HERE, 'disagree_worker.py')
 TIMEOUT = 180 # a hang fails the launch (the process group's timeout is 60 s)
@@ -14,8 +14,7 @@ TIMEOUT = 180 # a hang fails the launch (the process group's timeout is 60 s)
 @pytest.mark.parametrize('case,says', [('accum_bs', 'accum_bs 64 on process 0, 128 on process 1'),
                                        ('samples', 'training samples 1001 on process 0, 1000 on process 1')])
 def test_every_process_names_what_differs(tmp_path, case, says):
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-           f'--master_port={free_port()}', WORKER, str(tmp_path), case]
+    cmd = torchrun(2, WORKER, tmp_path, case)
     t0 = time.time()
     p = subprocess.run(
         cmd,

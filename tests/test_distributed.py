@@ -15,6 +15,15 @@ def free_port()->int:
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
 
+def torchrun(n:int, # Processes on this machine
+             *args, # The script and its arguments
+             **opts, # More of torchrun's options: `max_restarts=1` is `--max_restarts=1`
+            )->list[str]:
+    "The command that launches `args` on `n` local processes with torchrun, meeting on 127.0.0.1 at a free port"
+    return [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}',
+            *(f'--{k}={v}' for k,v in opts.items()), '--master_addr=127.0.0.1', f'--master_port={free_port()}',
+            *map(str, args)]
+
 WORKER = os.path.join(HERE, 'ddp_worker.py')
 ENV = dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
 TIMEOUT = 180 # seconds for a whole launch; a collective that hangs fails after `W.PG_TIMEOUT` seconds anyway
@@ -31,16 +40,7 @@ def launch(cmd, out, cases, env=ENV):
 def runs(tmp_path_factory):
     "Run every case once on 2 processes (torchrun); what each rank wrote, by case, and the launcher's output"
     out = tmp_path_factory.mktemp('ddp')
-    cmd = [
-        sys.executable,
-        '-m',
-        'torch.distributed.run',
-        '--nproc_per_node=2',
-        '--master_addr=127.0.0.1',
-        f'--master_port={free_port()}',
-        WORKER,
-        str(out),
-    ]
+    cmd = torchrun(2, WORKER, out)
     res,stdout = launch(cmd, out, W.CASES)
     print(stdout)
     return res,stdout
@@ -229,18 +229,7 @@ def test_a_loader_that_breaks_its_plan_stops_every_process(tmp_path):
     yields [8]*7+[72]: that process raises at its first micro-batch, naming the sizes, and the launch ends then. Process
     0, already in the window's all-reduce, is ended by torchrun, not by a timeout: the process-group timeout is 120 s
     here, and the whole launch is given 60 s, so a hang fails the test"""
-    cmd = [
-        sys.executable,
-        '-m',
-        'torch.distributed.run',
-        '--nproc_per_node=2',
-        '--max_restarts=0',
-        '--master_addr=127.0.0.1',
-        f'--master_port={free_port()}',
-        WORKER,
-        str(tmp_path),
-        'certain_drift',
-    ]
+    cmd = torchrun(2, WORKER, tmp_path, 'certain_drift', max_restarts=0)
     p = subprocess.run(
         cmd, capture_output=True, text=True, timeout=60, env=dict(ENV, FXA_PG_TIMEOUT='120'), cwd=os.path.dirname(HERE)
     )

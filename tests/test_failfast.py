@@ -2,10 +2,10 @@
 seconds with `PeerProcessFailed`, which names the process that failed and its error, whether or not the failing
 process's script catches it; before, a caught error left them in a collective until the process-group timeout. The
 worker is `failfast_worker.py`."""
-import json, os, signal, subprocess, sys, time
+import json, os, signal, subprocess, time
 import pytest
 pytestmark = [pytest.mark.multiprocess]
-from test_distributed import free_port, ENV, HERE
+from test_distributed import torchrun, ENV, HERE
 
 WORKER = os.path.join(HERE, 'failfast_worker.py')
 PG_TIMEOUT = 120 # the process-group timeout: a peer that waited for it would take two minutes, not seconds
@@ -24,19 +24,7 @@ def launch(tmp_path, case, fail_rank, n):
     # raises
     # and records what it saw first
     monitor = 60 if case == 'killed' else 15
-    cmd = [
-        sys.executable,
-        '-m',
-        'torch.distributed.run',
-        f'--nproc_per_node={n}',
-        f'--monitor-interval={monitor}',
-        '--master_addr=127.0.0.1',
-        f'--master_port={free_port()}',
-        WORKER,
-        str(tmp_path),
-        case,
-        str(fail_rank),
-    ]
+    cmd = torchrun(n, WORKER, tmp_path, case, fail_rank, monitor_interval=monitor)
     t0 = time.time()
     p = subprocess.run(
         cmd,
@@ -149,8 +137,7 @@ def test_a_killed_process_is_named(tmp_path, n, killed):
 def interrupt(tmp_path, n=2):
     ("Ctrl-C on a torchrun launch mid-fit (SIGINT to its process group, as a terminal sends it): seconds until "
      "torchrun ended, and the records")
-    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--master_addr=127.0.0.1',
-           f'--master_port={free_port()}', WORKER, str(tmp_path), 'interrupt', '0']
+    cmd = torchrun(n, WORKER, tmp_path, 'interrupt', '0')
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                          env=dict(ENV, FXA_PG_TIMEOUT=str(PG_TIMEOUT)), cwd=os.path.dirname(HERE))
     try:

@@ -9,7 +9,7 @@ from fastai.basics import *
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import fsdp_worker as W
-from test_distributed import free_port, max_diff
+from test_distributed import torchrun, max_diff
 
 WORKER = os.path.join(HERE, 'fsdp_worker.py')
 ENV = dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
@@ -20,8 +20,7 @@ N_UNITS = dict(text=3)
 
 def launch(out, cases, nproc:int)->tuple[dict,str]:
     "Run `cases` in one torchrun launch of `nproc` processes (bounded); what each rank wrote, by case"
-    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', '--max_restarts=0',
-           '--master_addr=127.0.0.1', f'--master_port={free_port()}', WORKER, str(out), ','.join(cases)]
+    cmd = torchrun(nproc, WORKER, out, ','.join(cases), max_restarts=0)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=ENV, cwd=os.path.dirname(HERE))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return {c: [torch.load(out/f'{c}-rank{r}.pt') for r in range(nproc)] for c in cases},p.stdout

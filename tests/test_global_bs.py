@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest, torch
 from fastai.basics import *
 import global_bs_worker as G
-from test_distributed import free_port, ENV, TIMEOUT, HERE
+from test_distributed import torchrun, ENV, TIMEOUT, HERE
 from test_loggers import wandb_run, tb_scalars
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.callback.schedule import GradientAccumulationSchedule
@@ -38,21 +38,7 @@ def runs(tmp_path_factory):
     # 2-core machine a process once waited 20 s for the other at a gradient all-reduce; a real hang still fails the
     # launch,
     # bounded by TIMEOUT
-    stdout = run(
-        [
-            sys.executable,
-            '-m',
-            'torch.distributed.run',
-            '--nproc_per_node=2',
-            '--master_addr=127.0.0.1',
-            f'--master_port={free_port()}',
-            WORKER,
-            str(out),
-            '2',
-            ','.join(TWO),
-        ],
-        env=dict(ENV, FXA_PG_TIMEOUT='60'),
-    )
+    stdout = run(torchrun(2, WORKER, out, '2', ','.join(TWO)), env=dict(ENV, FXA_PG_TIMEOUT='60'))
     res = {c: {1: [torch.load(out/f'{c}-w1-rank0.pt')]} for c in ONE}
     for c in TWO: res.setdefault(c, {})[2] = [torch.load(out/f'{c}-w2-rank{r}.pt') for r in range(2)]
     return res,stdout
@@ -121,8 +107,7 @@ def test_distrib_ctx_sets_up_the_process_group_before_the_fit(tmp_path):
     """A script that leaves the process group to `distrib_ctx` (fastai's DistributedTrainer builds an `Accelerator`,
     which sets it up when `distrib_ctx` is entered, before `fit`): the world size is known at `before_fit` all the
     same"""
-    run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-         f'--master_port={free_port()}', WORKER, str(tmp_path), '2', 'ga'], env=dict(ENV, FXA_NO_INIT='1'))
+    run(torchrun(2, WORKER, tmp_path, '2', 'ga'), env=dict(ENV, FXA_NO_INIT='1'))
     for r in range(2):
         res = torch.load(tmp_path/f'ga-w2-rank{r}.pt')
         assert (res['ws_fit'], res['wrapped_at_fit'], res['epochs_for_10']) == (2, 'Sequential', 2)

@@ -266,8 +266,7 @@ def test_two_processes(tmp_path):
     patcher on 2 processes (DDP, gloo) against one process on the global windows"""
     import test_distributed as TD, ddp_worker as W
     cases = ['guest_subclass', 'guest_mb_subclass', 'guest_patcher']
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-           f'--master_port={TD.free_port()}', TD.WORKER, str(tmp_path), ','.join(cases)]
+    cmd = TD.torchrun(2, TD.WORKER, tmp_path, ','.join(cases))
     res,_ = TD.launch(cmd, tmp_path, cases)
     ref = TD.reference('samples')
     # `MicroBatching`: its `_do_one_batch` once per micro-batch of 16 of each process's batches of 64, 64 and 22
@@ -283,8 +282,7 @@ def test_lr_find_two_processes(tmp_path):
     ("Issue 37: `fit; lr_find; fit` with accumulation under DDP ends (it hung: process 0 alone loaded the weights, at "
      "a barrier)")
     import test_distributed as TD
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-           f'--master_port={TD.free_port()}', TD.WORKER, str(tmp_path), 'guest_lr_find']
+    cmd = TD.torchrun(2, TD.WORKER, tmp_path, 'guest_lr_find')
     res,_ = TD.launch(cmd, tmp_path, ['guest_lr_find'])
     r0,r1 = res['guest_lr_find']
     # the weights back

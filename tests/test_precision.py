@@ -2,7 +2,7 @@
 first step a gradient as accurate as the large batch's, train as summing in float32 by hand does, hold no 16-bit
 `p.grad` across micro-batches, and average over 2 DDP processes (gloo, torchrun) in float32. Figures:
 `figures_precision.py`."""
-import os, socket, subprocess, sys, warnings
+import os, subprocess, sys, warnings
 import pytest, torch
 from torch import nn
 from fastai.basics import *
@@ -168,17 +168,12 @@ def test_abandoned_window_and_failed_fit_leave_nothing():
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-def free_port()->int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
 @pytest.fixture(scope='module')
 def ddp(tmp_path_factory):
     "The worker's cases on 2 processes (torchrun, gloo), bounded at 180 s (each collective at 60 s)"
+    from test_distributed import torchrun
     out = tmp_path_factory.mktemp('precision_ddp')
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-           f'--master_port={free_port()}', os.path.join(HERE, 'precision_worker.py'), str(out)]
+    cmd = torchrun(2, os.path.join(HERE, 'precision_worker.py'), out)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS='1'),
                        cwd=os.path.dirname(HERE))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]

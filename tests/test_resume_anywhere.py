@@ -6,24 +6,14 @@ apart. The worker is `resume_worker.py` (torchrun, gloo, CPU)."""
 import os, subprocess, sys
 import pytest, torch
 pytestmark = [pytest.mark.multiprocess]
-from test_distributed import free_port, ENV, HERE
+from test_distributed import torchrun, ENV, HERE
 
 WORKER = os.path.join(HERE, 'resume_worker.py')
 TIMEOUT = 240
 
 def run(out, tag, phase, world, stdout=None):
-    cmd = (
-        [sys.executable]
-        if world == 1
-        else [
-            sys.executable,
-            '-m',
-            'torch.distributed.run',
-            f'--nproc_per_node={world}',
-            '--master_addr=127.0.0.1',
-            f'--master_port={free_port()}',
-        ]
-    ) + [WORKER, str(out), tag, phase]
+    args = [WORKER, str(out), tag, phase]
+    cmd = [sys.executable, *args] if world == 1 else torchrun(world, *args)
     p = subprocess.run(
         cmd,
         capture_output=True,

@@ -7,24 +7,14 @@ Worker: `resume_runs_worker.py`."""
 
 import json, os, subprocess, sys, time
 import pytest, torch
-from test_distributed import free_port, ENV, HERE
+from test_distributed import torchrun, ENV, HERE
 
 WORKER = os.path.join(HERE, 'resume_runs_worker.py')
 TIMEOUT = 240 # a hang fails the launch (the process group's timeout is 60 s)
 
 def run(out, tag, case, world=1, ok=True):
-    cmd = (
-        [sys.executable]
-        if world == 1
-        else [
-            sys.executable,
-            '-m',
-            'torch.distributed.run',
-            f'--nproc_per_node={world}',
-            '--master_addr=127.0.0.1',
-            f'--master_port={free_port()}',
-        ]
-    ) + [WORKER, str(out), tag, case]
+    args = [WORKER, str(out), tag, case]
+    cmd = [sys.executable, *args] if world == 1 else torchrun(world, *args)
     t0 = time.time()
     p = subprocess.run(
         cmd,

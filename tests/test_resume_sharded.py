@@ -4,18 +4,16 @@ on both processes (float64; before: the restarted run stopped in `before_fit`, t
 A checkpoint saved by 2 sharded processes resumes on 1 process, one saved by 1 on 2, one saved sharded in a plain run
 and the reverse: the resumed fit starts from the saved weights and Adam's state exactly.
 Worker: `resume_sharded_worker.py`."""
-import os, shutil, subprocess, sys
+import os, shutil, subprocess
 import pytest, torch
-from test_distributed import free_port, ENV, HERE
+from test_distributed import torchrun, ENV, HERE
 pytestmark = [pytest.mark.multiprocess]
 
 WORKER = os.path.join(HERE, 'resume_sharded_worker.py')
 TIMEOUT = 300
 
 def launch(out, tag, phase, mode='sharded', n=2, ignore=''):
-    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={n}', '--max_restarts=1',
-           '--monitor_interval=0.5', '--master_addr=127.0.0.1', f'--master_port={free_port()}', WORKER, str(out), tag,
-           phase, mode]
+    cmd = torchrun(n, WORKER, out, tag, phase, mode, max_restarts=1, monitor_interval=0.5)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=os.path.dirname(HERE),
                        env=dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1', FXA_IGNORE=ignore))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]

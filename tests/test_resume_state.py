@@ -3,19 +3,17 @@
 where the uninterrupted run ends on both processes (float64, 1e-8; before: 0.027, every process was given rank 0's
 random state). A `GradScaler` (autocast on the CPU) resumes with its scale and growth counter.
 Worker: `resume_kill_worker.py`."""
-import os, subprocess, sys
+import os, subprocess
 import pytest, torch
 from fastai.basics import Learner, nn, Callback, CancelFitException, CancelStepException
 import fastai.callback.schedule # noqa: F401 (fit_one_cycle)
-from test_distributed import free_port, ENV, HERE
+from test_distributed import torchrun, ENV, HERE
 
 WORKER = os.path.join(HERE, 'resume_kill_worker.py')
 TIMEOUT = 300
 
 def launch(out, tag, phase, ok=True):
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max_restarts=1',
-           '--monitor_interval=0.5', '--master_addr=127.0.0.1', f'--master_port={free_port()}', WORKER, str(out), tag,
-           phase]
+    cmd = torchrun(2, WORKER, out, tag, phase, max_restarts=1, monitor_interval=0.5)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=os.path.dirname(HERE),
                        env=dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1'))
     if not ok: return p

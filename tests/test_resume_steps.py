@@ -111,12 +111,11 @@ def test_mid_epoch_checkpoints_refuse_what_would_not_resume_exact(tmp_path):
 
 @pytest.mark.multiprocess
 def test_two_processes_killed_mid_window_resume_exact_under_torchrun(tmp_path):
-    import os, subprocess, sys
-    from test_distributed import free_port, ENV, HERE
+    import os, subprocess
+    from test_distributed import torchrun, ENV, HERE
     def launch(tag, phase):
-        cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max_restarts=1',
-               '--monitor_interval=0.5', '--master_addr=127.0.0.1', f'--master_port={free_port()}',
-               os.path.join(HERE, 'resume_steps_worker.py'), str(tmp_path), tag, phase]
+        cmd = torchrun(2, os.path.join(HERE, 'resume_steps_worker.py'), tmp_path, tag, phase, max_restarts=1,
+                       monitor_interval=0.5)
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE),
                            env=dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1'))
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]

@@ -2,7 +2,7 @@
 the parameters and optimizer state of one process training on the same global windows, in float64; checkpoints are plain
 state dicts; a model the user sharded keeps working. The workers are `sharded_worker.py`; the `before` launch shows what
 fastai does on a sharded model without this library's `sharded` module."""
-import os, re, subprocess, sys
+import os, re, subprocess
 from copy import deepcopy
 import pytest, torch
 pytestmark = [pytest.mark.multiprocess]
@@ -10,7 +10,7 @@ from fastai.basics import *
 from fastai.callback.training import GradientClip
 from fastai.callback.tracker import SaveModelCallback
 import sharded_worker as W
-from test_distributed import free_port
+from test_distributed import torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, 'sharded_worker.py')
@@ -20,18 +20,7 @@ TIMEOUT = 600  # seconds for a whole launch (2 loaded cores); a collective that 
 
 def launch(out, cases, before=False):
     "Run the cases on 2 processes under torchrun (bounded); what each rank wrote, by case"
-    cmd = [
-        sys.executable,
-        '-m',
-        'torch.distributed.run',
-        '--nproc_per_node=2',
-        '--max_restarts=0',
-        '--master_addr=127.0.0.1',
-        f'--master_port={free_port()}',
-        WORKER,
-        str(out),
-        ','.join(cases),
-    ]
+    cmd = torchrun(2, WORKER, out, ','.join(cases), max_restarts=0)
     env = dict(ENV, FXA_BEFORE='1') if before else ENV
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=os.path.dirname(HERE))
     errors = '\n'.join(l for l in p.stderr.splitlines() if re.search(r'\[rank\d\]: \S*(Error|Exception)\b', l))
