@@ -15,6 +15,19 @@ def assert_same_training(large, other, eps=1e-8):
     test_eq(other.recorder.iters, large.recorder.iters)
     for a,b in zip(other.recorder.values, large.recorder.values): test_close(a, b, eps=1e-10)
 
+def breast_cancer_dls(bs:int, seed:int=0):
+    ("scikit-learn's breast-cancer table (569 rows, 30 columns) in fastai's default tabular loaders: 455 training rows "
+     "(shuffled, drop_last), 114 validation rows; `set_seed(seed)` first (the shuffle, then the model's weights). The "
+     "loaders and the table")
+    from sklearn.datasets import load_breast_cancer
+    from fastai.tabular.all import TabularDataLoaders, Normalize, CategoryBlock
+    d = load_breast_cancer(as_frame=True)
+    set_seed(seed)
+    dls = TabularDataLoaders.from_df(d.frame, procs=[Normalize], cont_names=list(d.feature_names), y_names='target',
+                                     y_block=CategoryBlock(), valid_idx=list(range(455, 569)), bs=bs, num_workers=0,
+                                     device='cpu')
+    return dls,d.frame
+
 @contextlib.contextmanager
 def fastai_own(*parts):
     ("fastai's own code for the duration where an accumulating fit's class would take it over: `parts` of 'dispatch', "

@@ -4,10 +4,11 @@ Learner does not load there (the control that shows the check can fail)."""
 import os, subprocess, sys, textwrap, warnings
 import pytest, torch
 from fastai.basics import *
-from fastai.tabular.all import TabularDataLoaders, tabular_learner, tabular_config, Normalize, CategoryBlock
+from fastai.tabular.all import tabular_learner, tabular_config
 from fastxtend_accum.all import *
 from fastxtend_accum.export import library_refs, without_library_callbacks
 import fastxtend_accum.export as export_module
+from helpers import breast_cancer_dls
 
 # pandas 3's read-only arrays, in fastai
 warnings.filterwarnings('ignore', message='The given NumPy array is not writable')
@@ -43,23 +44,9 @@ def load_elsewhere(fname, rows, tmp):
     return p, (torch.load(tmp/'preds.pt') if p.returncode == 0 else None)
 
 def tabular(cbs):
-    from sklearn.datasets import load_breast_cancer
-    d = load_breast_cancer(as_frame=True)
-    set_seed(0)
-    dls = TabularDataLoaders.from_df(
-        d.frame,
-        procs=[Normalize],
-        cont_names=list(d.feature_names),
-        y_names='target',
-        y_block=CategoryBlock(),
-        valid_idx=list(range(455, 569)),
-        bs=16,
-        num_workers=0,
-        device='cpu',
-    )
-    return tabular_learner(dls, layers=[16], config=tabular_config(use_bn=False, bn_cont=False), cbs=cbs), d.frame.iloc[
-        455:485
-    ]
+    dls,frame = breast_cancer_dls(16)
+    learn = tabular_learner(dls, layers=[16], config=tabular_config(use_bn=False, bn_cont=False), cbs=cbs)
+    return learn,frame.iloc[455:485]
 
 
 CASES = {'GradientAccumulation': lambda: [GradientAccumulation(64)],

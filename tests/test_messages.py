@@ -7,10 +7,11 @@ import warnings
 import pytest
 import pandas as pd
 from fastai.basics import *
-from fastai.tabular.all import TabularDataLoaders, tabular_learner, tabular_config, Normalize, CategoryBlock
+from fastai.tabular.all import tabular_learner, tabular_config
 from fastxtend_accum.all import *
 from fastxtend_accum.messages import DOCS_URL, batchnorm_layers
 from fastxtend_accum.test_utils import *
+from helpers import breast_cancer_dls
 
 def fit_warnings(learn, fit=lambda l: l.fit(1)):
     "The warnings a quiet `fit(learn)` gives, and the line of this file that calls fastai (`fit`'s)"
@@ -26,20 +27,7 @@ def assert_at(w, line):
     assert (w.filename, w.lineno) == (__file__, line), (w.filename, w.lineno, str(w.message))
 
 def tabular(bs=64, cbs=None, **config):
-    from sklearn.datasets import load_breast_cancer
-    d = load_breast_cancer(as_frame=True)
-    set_seed(0)
-    dls = TabularDataLoaders.from_df(
-        d.frame,
-        procs=[Normalize],
-        cont_names=list(d.feature_names),
-        y_names='target',
-        y_block=CategoryBlock(),
-        valid_idx=list(range(455, 569)),
-        bs=bs,
-        num_workers=0,
-        device='cpu',
-    )
+    dls,_ = breast_cancer_dls(bs)
     return tabular_learner(dls, layers=[16], config=tabular_config(**config), cbs=cbs)
 
 def test_tabular_batchnorm_names_tabular_config():

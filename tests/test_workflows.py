@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch.nn.functional as F
 from fastai.basics import *
-from fastai.tabular.all import TabularDataLoaders, tabular_learner, tabular_config, Normalize, CategoryBlock
+from fastai.tabular.all import tabular_learner, tabular_config
 from fastai.text.all import get_language_model, AWD_LSTM, awd_lstm_lm_config, awd_lstm_lm_split
 from fastai.callback.rnn import RNNCallback
 from fastai.callback.progress import ProgressCallback, ShowGraphCallback
@@ -15,7 +15,7 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 from fastai.data.load import DataLoader as FastaiDataLoader
 from fastxtend_accum.all import *
 from fastxtend_accum.test_utils import *
-from helpers import assert_same_training, no_grads, Overflow
+from helpers import assert_same_training, no_grads, Overflow, breast_cancer_dls
 
 # ---- real data, tiny float64 models ----
 class ToFloat64(Callback):
@@ -29,20 +29,7 @@ def flat_ce(p, y):
 
 def tabular_learn(bs, cbs=None, seed=0):
     "breast cancer (569 rows, 30 columns): 455 training rows in fastai's default training loader (shuffled, drop_last)"
-    from sklearn.datasets import load_breast_cancer
-    d = load_breast_cancer(as_frame=True)
-    set_seed(seed) # the loader's shuffle (`random`, numpy) and the model's weights
-    dls = TabularDataLoaders.from_df(
-        d.frame,
-        procs=[Normalize],
-        cont_names=list(d.feature_names),
-        y_names='target',
-        y_block=CategoryBlock(),
-        valid_idx=list(range(455, 569)),
-        bs=bs,
-        num_workers=0,
-        device='cpu',
-    )
+    dls,_ = breast_cancer_dls(bs, seed) # the loader's shuffle (`random`, numpy) and the model's weights
     learn = tabular_learner(dls, layers=[16], config=tabular_config(use_bn=False, bn_cont=False), loss_func=flat_ce,
                             opt_func=Adam, cbs=[ToFloat64(), Float64SmoothLoss()] + L(cbs))
     learn.model.double()
