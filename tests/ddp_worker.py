@@ -84,17 +84,20 @@ def digits_split(n_train=300, n_valid=64):
 # the `weighted` case: class-weighted cross-entropy, which averages by the sum of its targets' weights
 CLASS_WEIGHTS = torch.linspace(0.2, 2., 10, dtype=torch.float64)
 
+def digits_sgd_learner(dls, cbs=(), loss_func=None):
+    "A float64 digits `Learner` on `dls` with the weights of `digits_mlp(seed=0)`, SGD at lr 0.1, float64 losses"
+    from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
+    return Learner(dls, digits_mlp(seed=0), loss_func=loss_func or nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1,
+                   cbs=[Float64SmoothLoss()] + list(cbs))
+
 def digits_learner_on(trn, val, bs, cbs=(), drop_last=False, loss_func=None):
     "A float64 digits `Learner` over the sample lists `trn` and `val`, with the weights of `digits_mlp(seed=0)`"
-    from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
-
     dls = DataLoaders(
         FastaiDataLoader(trn, bs=bs, drop_last=drop_last, device='cpu'),
         FastaiDataLoader(val, bs=64, device='cpu'),
         device='cpu',
     )
-    return Learner(dls, digits_mlp(seed=0), loss_func=loss_func or nn.CrossEntropyLoss(), opt_func=SGD, lr=0.1,
-                   cbs=[Float64SmoothLoss()] + list(cbs))
+    return digits_sgd_learner(dls, cbs, loss_func)
 
 def shards(n:int, world:int=2, uneven:int=0)->list[range]:
     "Each process's samples: the even halves fastai's `DistributedDL` gives (n even), or the last one `uneven` shorter"
@@ -146,19 +149,11 @@ class Resizing(FastaiDataLoader):
 def certain_drift_learner(rank, cbs):
     ("128 samples per process in a fastai loader of `bs` 16, planned [16]*8 on both processes; process 1's yields "
      "[8]*7+[72]")
-    from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
     trn,val = digits_split()
     tdl = Resizing(trn[128*rank:128*(rank+1)], bs=MICRO_BS, device='cpu')
     tdl.sizes = BUCKETS[rank]
     dls = DataLoaders(tdl, FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
-    return Learner(
-        dls,
-        digits_mlp(seed=0),
-        loss_func=nn.CrossEntropyLoss(),
-        opt_func=SGD,
-        lr=0.1,
-        cbs=[Float64SmoothLoss()] + list(cbs),
-    )
+    return digits_sgd_learner(dls, cbs)
 
 
 def buckets_learner(rank, cbs, unsized=False, drift=False):
@@ -169,16 +164,7 @@ def buckets_learner(rank, cbs, unsized=False, drift=False):
         trn, batch_sampler=Drifting(128 * rank, rank == 1) if drift else Unmeasurable(bs) if unsized else bs
     )
     dls = DataLoaders(tdl, FastaiDataLoader(val, bs=64, device='cpu'), device='cpu')
-    from fastxtend_accum.test_utils import digits_mlp, Float64SmoothLoss
-
-    return Learner(
-        dls,
-        digits_mlp(seed=0),
-        loss_func=nn.CrossEntropyLoss(),
-        opt_func=SGD,
-        lr=0.1,
-        cbs=[Float64SmoothLoss()] + list(cbs),
-    )
+    return digits_sgd_learner(dls, cbs)
 
 
 # fastai's defaults under `distrib_ctx`: `DataLoaders.from_dsets` (shuffled, dropping the short last batch), Adam and
