@@ -11,7 +11,7 @@ picks some of: torchrun, accelerate, notebook, unknown, resume (and `--cases` th
 change: the same command with PYTHONPATH at an older library, e.g. `git archive <commit> fastxtend_accum | tar -x -C
 DIR` with this checkout's `fastxtend_accum/test_utils.py` copied in (the helpers the comparison uses)."""
 
-import argparse, os, sys, tempfile, subprocess
+import argparse, os, sys, tempfile
 from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_distributed import *
@@ -43,35 +43,13 @@ def failed(how, case, err):
 def launched(how, cmd_of, cases, env=ENV):
     for case in cases:
         out = Path(tempfile.mkdtemp())
-        p = subprocess.run(
-            cmd_of(out, case),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            env=dict(env, HF_HOME=str(out / 'hf')),
-            cwd=os.path.dirname(HERE),
-        )
+        p = TD.run_launch(cmd_of(out, case), TIMEOUT, dict(env, HF_HOME=str(out/'hf')), ok=False)
         if p.returncode: failed(how, case, p.stdout + p.stderr)
         else: show(how, case, [torch.load(out/f'{case}-rank{r}.pt') for r in range(2)])
 
 def torchrun(out, case): return TD.torchrun(2, WORKER, out, case)
 
-def accelerate(out, case):
-    return [
-        sys.executable,
-        '-m',
-        'accelerate.commands.launch',
-        '--multi_gpu',
-        '--num_processes=2',
-        '--num_machines=1',
-        '--mixed_precision=no',
-        '--dynamo_backend=no',
-        '--main_process_ip=127.0.0.1',
-        f'--main_process_port={free_port()}',
-        WORKER,
-        str(out),
-        case,
-    ]
+def accelerate(out, case): return TD.accelerate_launch(2, WORKER, out, case)
 
 def notebook():
     if _nbclient() is None:

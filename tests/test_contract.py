@@ -5,7 +5,7 @@ MicroBatching, bad counters and sizes; and on 2 processes (torchrun, gloo, bound
 under DDP and FSDP2, and under DDP a before_backward term at orders 0, 10, 60, a sum-reduced loss and a zero class
 weight: replicas identical, equal to one process on the global windows without the cancelled micro-batches, with at most
 one small collective of the library's per window."""
-import math, os, subprocess, sys
+import math, os, sys
 import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -118,7 +118,7 @@ def test_bad_counters_and_sizes_name_the_parameter():
 
 # ---- two processes
 import contract_worker as W
-from test_distributed import torchrun
+from test_distributed import torchrun, run_launch
 # seconds for the whole launch on a loaded 2-core machine; a collective that hangs fails after W.PG_TIMEOUT s
 TIMEOUT = 420
 
@@ -126,9 +126,7 @@ TIMEOUT = 420
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp('contract')
     cmd = torchrun(2, os.path.join(HERE, 'contract_worker.py'), out, ','.join(W.CASES), max_restarts=0)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=os.path.dirname(HERE),
-                       env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore'))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    p = run_launch(cmd, TIMEOUT, dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore'))
     print(p.stdout)
     return {c: [torch.load(out/f'{c}-rank{r}.pt') for r in range(2)] for c in W.CASES}
 

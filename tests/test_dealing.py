@@ -5,10 +5,10 @@ accumulation: the same samples and lr at every step (1e-12) and the same weights
 model wrapped in DDP by hand): against one process over `DistributedSampler(num_replicas=1)` with batches of `accum_bs`;
 left alone (`deal_windows=False`), the sampler pads 1,023 samples to a multiple of the processes, and the epoch holds
 one more step. The worker is `dealing_worker.py`."""
-import os, subprocess, sys
+import os, sys
 import pytest, torch
 pytestmark = [pytest.mark.multiprocess]
-from test_distributed import torchrun, ENV, HERE
+from test_distributed import torchrun, run_launch, ENV, HERE
 
 WORKER = os.path.join(HERE, 'dealing_worker.py')
 # seconds for a launch (4 processes on 2 loaded cores); a collective that hangs fails after the group's timeout
@@ -21,16 +21,7 @@ CASES = {
 
 CASES_RUN = {(c, w) for w,cs in CASES.items() for c in cs}
 
-def run(cmd):
-    p = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=dict(ENV, FXA_PG_TIMEOUT='120'),
-        cwd=os.path.dirname(HERE),
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+def run(cmd): run_launch(cmd, TIMEOUT, dict(ENV, FXA_PG_TIMEOUT='120'))
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):

@@ -24,16 +24,34 @@ def torchrun(n:int, # Processes on this machine
             *(f'--{k}={v}' for k,v in opts.items()), '--master_addr=127.0.0.1', f'--master_port={free_port()}',
             *map(str, args)]
 
+def accelerate_launch(n:int, # Processes on this machine
+                      *args, # The script and its arguments
+                     )->list[str]:
+    "The command that launches `args` on `n` local processes with `accelerate launch` (no config file), on 127.0.0.1"
+    return [sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', f'--num_processes={n}',
+            '--num_machines=1', '--mixed_precision=no', '--dynamo_backend=no', '--main_process_ip=127.0.0.1',
+            f'--main_process_port={free_port()}', *map(str, args)]
+
 WORKER = os.path.join(HERE, 'ddp_worker.py')
 ENV = dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
 TIMEOUT = 180 # seconds for a whole launch; a collective that hangs fails after `W.PG_TIMEOUT` seconds anyway
 
+def run_launch(cmd:list, # A launcher's command (torchrun, accelerate launch, or python alone)
+               timeout:float, # Seconds the whole launch may take: a hang fails
+               env:dict=ENV, # Its environment
+               ok:bool=True, # It must exit 0, else the test fails with the output's tail and a stopped process's stacks
+              )->subprocess.CompletedProcess:
+    "Run `cmd` from the repository's root to its end, bounded by `timeout`"
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=os.path.dirname(HERE))
+    if ok:
+        # a process the launcher stopped prints its threads' stacks (`faulthandler` in the worker): where it was stuck
+        stacks = p.stderr[p.stderr.find('Thread 0x'):][:6000] if 'Thread 0x' in p.stderr else ''
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:] + stacks
+    return p
+
 def launch(cmd, out, cases, env=ENV):
     "Run a launcher command to its end (bounded), and what each rank wrote, by case"
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=os.path.dirname(HERE))
-    # a process the launcher stopped prints its threads' stacks (`faulthandler` in the worker): where it was stuck
-    stacks = p.stderr[p.stderr.find('Thread 0x'):][:6000] if 'Thread 0x' in p.stderr else ''
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:] + stacks
+    p = run_launch(cmd, TIMEOUT, env)
     return {c: [torch.load(out/f'{c}-rank{r}.pt') for r in range(2)] for c in cases},p.stdout
 
 @pytest.fixture(scope='module')
@@ -230,9 +248,7 @@ def test_a_loader_that_breaks_its_plan_stops_every_process(tmp_path):
     0, already in the window's all-reduce, is ended by torchrun, not by a timeout: the process-group timeout is 120 s
     here, and the whole launch is given 60 s, so a hang fails the test"""
     cmd = torchrun(2, WORKER, tmp_path, 'certain_drift', max_restarts=0)
-    p = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=60, env=dict(ENV, FXA_PG_TIMEOUT='120'), cwd=os.path.dirname(HERE)
-    )
+    p = run_launch(cmd, 60, dict(ENV, FXA_PG_TIMEOUT='120'), ok=False)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
     assert "Process 1's training loader yielded a micro-batch of 8 samples where its plan expected 16" in out, out[
@@ -271,21 +287,7 @@ def test_accelerate_launch(tmp_path):
     """The documented `accelerate launch`, with no config file (HF_HOME in the test's tmp dir): 2 processes on gloo, the
     `samples` case and each callback on fastai's default loaders under `distrib_ctx`"""
     cases = ['samples', *W.DEFAULTS]
-    cmd = [
-        sys.executable,
-        '-m',
-        'accelerate.commands.launch',
-        '--multi_gpu',
-        '--num_processes=2',
-        '--num_machines=1',
-        '--mixed_precision=no',
-        '--dynamo_backend=no',
-        '--main_process_ip=127.0.0.1',
-        f'--main_process_port={free_port()}',
-        WORKER,
-        str(tmp_path),
-        ','.join(cases),
-    ]
+    cmd = accelerate_launch(2, WORKER, tmp_path, ','.join(cases))
     res,_ = launch(cmd, tmp_path, cases, env=dict(ENV, HF_HOME=str(tmp_path/'hf')))
     check_samples_run(res, 'accelerate launch')
     check_default_runs(res, 'accelerate launch')

@@ -2,14 +2,14 @@
 `GradientAccumulation`, `GradientAccumulationSchedule` and `MicroBatching`, reach the parameters and losses of ONE
 process stepping on the global windows, in float64 within 1e-8, with the collectives each `grad_sync` promises. The
 workers are `fsdp_worker.py`; `python tests/test_fsdp.py` prints every case's figures."""
-import os, subprocess, sys
+import os, sys
 import pytest, torch
 pytestmark = [pytest.mark.multiprocess]
 from fastai.basics import *
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import fsdp_worker as W
-from test_distributed import torchrun, max_diff
+from test_distributed import torchrun, run_launch, max_diff
 
 WORKER = os.path.join(HERE, 'fsdp_worker.py')
 ENV = dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
@@ -21,8 +21,7 @@ N_UNITS = dict(text=3)
 def launch(out, cases, nproc:int)->tuple[dict,str]:
     "Run `cases` in one torchrun launch of `nproc` processes (bounded); what each rank wrote, by case"
     cmd = torchrun(nproc, WORKER, out, ','.join(cases), max_restarts=0)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=ENV, cwd=os.path.dirname(HERE))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    p = run_launch(cmd, TIMEOUT, ENV)
     return {c: [torch.load(out/f'{c}-rank{r}.pt') for r in range(nproc)] for c in cases},p.stdout
 
 @pytest.fixture(scope='module')

@@ -2,13 +2,13 @@
 script on one process and on two (torchrun, gloo, CPU) takes the same optimizer steps, with the same samples per step
 and the same lr per step; on the same global windows, it ends with the same weights (float64, 1e-8). The worker is
 `global_bs_worker.py`; the one-process checks without a launcher are at the end."""
-import os, subprocess, sys, warnings
+import os, sys, warnings
 from collections import Counter
 from types import SimpleNamespace
 import pytest, torch
 from fastai.basics import *
 import global_bs_worker as G
-from test_distributed import torchrun, ENV, TIMEOUT, HERE
+from test_distributed import torchrun, run_launch, ENV, TIMEOUT, HERE
 from test_loggers import wandb_run, tb_scalars
 from fastxtend_accum.callback.gradaccum import GradientAccumulation
 from fastxtend_accum.callback.schedule import GradientAccumulationSchedule
@@ -22,10 +22,7 @@ SEE_SIZE = see('size')
 TRAINED = ['ga', 'gas', 'ga_dealt', 'gas_dealt', 'gas_cos_dealt', 'indivisible_dealt', 'gas_indivisible_dealt']
 ONE,TWO = TRAINED,TRAINED + ['ga_off', 'gas_below', 'unwrapped']
 
-def run(cmd, env=ENV):
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=os.path.dirname(HERE))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    return p.stdout
+def run(cmd, env=ENV): return run_launch(cmd, TIMEOUT, env).stdout
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):

@@ -171,12 +171,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope='module')
 def ddp(tmp_path_factory):
     "The worker's cases on 2 processes (torchrun, gloo), bounded at 180 s (each collective at 60 s)"
-    from test_distributed import torchrun
+    from test_distributed import torchrun, run_launch
     out = tmp_path_factory.mktemp('precision_ddp')
     cmd = torchrun(2, os.path.join(HERE, 'precision_worker.py'), out)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS='1'),
-                       cwd=os.path.dirname(HERE))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    run_launch(cmd, 180, dict(os.environ, OMP_NUM_THREADS='1'))
     return {c: [torch.load(out/f'{c}-rank{r}.pt') for r in range(2)] for c in W.CASES}
 
 def ddp_reference():

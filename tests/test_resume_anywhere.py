@@ -3,10 +3,10 @@ ends where the uninterrupted run ends (float64, 1e-8), with the same lr at every
 (`SaveModelCallback(with_opt=True)` and `start_epoch`), which does not restore the loader's shuffle, ends measurably
 apart. The worker is `resume_worker.py` (torchrun, gloo, CPU)."""
 
-import os, subprocess, sys
+import os, sys
 import pytest, torch
 pytestmark = [pytest.mark.multiprocess]
-from test_distributed import torchrun, ENV, HERE
+from test_distributed import torchrun, run_launch, ENV, HERE
 
 WORKER = os.path.join(HERE, 'resume_worker.py')
 TIMEOUT = 240
@@ -14,15 +14,7 @@ TIMEOUT = 240
 def run(out, tag, phase, world, stdout=None):
     args = [WORKER, str(out), tag, phase]
     cmd = [sys.executable, *args] if world == 1 else torchrun(world, *args)
-    p = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=dict(ENV, FXA_PG_TIMEOUT='120'),
-        cwd=os.path.dirname(HERE),
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    p = run_launch(cmd, TIMEOUT, dict(ENV, FXA_PG_TIMEOUT='120'))
     if stdout is not None: stdout.append(p.stdout)
     return torch.load(out/f'{tag}-{phase}-w{world}.pt')
 

@@ -7,7 +7,7 @@ Worker: `resume_runs_worker.py`."""
 
 import json, os, subprocess, sys, time
 import pytest, torch
-from test_distributed import torchrun, ENV, HERE
+from test_distributed import torchrun, run_launch, ENV, HERE
 
 WORKER = os.path.join(HERE, 'resume_runs_worker.py')
 TIMEOUT = 240 # a hang fails the launch (the process group's timeout is 60 s)
@@ -16,15 +16,7 @@ def run(out, tag, case, world=1, ok=True):
     args = [WORKER, str(out), tag, case]
     cmd = [sys.executable, *args] if world == 1 else torchrun(world, *args)
     t0 = time.time()
-    p = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=dict(ENV, FXA_PG_TIMEOUT='60'),
-        cwd=os.path.dirname(HERE),
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    p = run_launch(cmd, TIMEOUT, dict(ENV, FXA_PG_TIMEOUT='60'))
     res = [json.loads((out/f'{tag}-{case}-rank{r}.json').read_text()) for r in range(world)]
     for r in res: assert (r['error'] is None) == ok, r
     return res,torch.load(out/f'{tag}-{case}.pt'),time.time()-t0,p.stdout

@@ -4,9 +4,9 @@ on both processes (float64; before: the restarted run stopped in `before_fit`, t
 A checkpoint saved by 2 sharded processes resumes on 1 process, one saved by 1 on 2, one saved sharded in a plain run
 and the reverse: the resumed fit starts from the saved weights and Adam's state exactly.
 Worker: `resume_sharded_worker.py`."""
-import os, shutil, subprocess
+import os, shutil
 import pytest, torch
-from test_distributed import torchrun, ENV, HERE
+from test_distributed import torchrun, run_launch, ENV, HERE
 pytestmark = [pytest.mark.multiprocess]
 
 WORKER = os.path.join(HERE, 'resume_sharded_worker.py')
@@ -14,9 +14,7 @@ TIMEOUT = 300
 
 def launch(out, tag, phase, mode='sharded', n=2, ignore=''):
     cmd = torchrun(n, WORKER, out, tag, phase, mode, max_restarts=1, monitor_interval=0.5)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=os.path.dirname(HERE),
-                       env=dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1', FXA_IGNORE=ignore))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    p = run_launch(cmd, TIMEOUT, dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1', FXA_IGNORE=ignore))
     return [torch.load(out/f'{tag}-{phase}-rank{r}.pt') for r in range(n)],p.stdout
 
 def diff(a:list, b:list)->float: return max(float((p-q).abs().max()) for p,q in zip(a, b))

@@ -3,21 +3,19 @@
 where the uninterrupted run ends on both processes (float64, 1e-8; before: 0.027, every process was given rank 0's
 random state). A `GradScaler` (autocast on the CPU) resumes with its scale and growth counter.
 Worker: `resume_kill_worker.py`."""
-import os, subprocess
+import os
 import pytest, torch
 from fastai.basics import Learner, nn, Callback, CancelFitException, CancelStepException
 import fastai.callback.schedule # noqa: F401 (fit_one_cycle)
-from test_distributed import torchrun, ENV, HERE
+from test_distributed import torchrun, run_launch, ENV, HERE
 
 WORKER = os.path.join(HERE, 'resume_kill_worker.py')
 TIMEOUT = 300
 
 def launch(out, tag, phase, ok=True):
     cmd = torchrun(2, WORKER, out, tag, phase, max_restarts=1, monitor_interval=0.5)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=os.path.dirname(HERE),
-                       env=dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1'))
+    p = run_launch(cmd, TIMEOUT, dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1'), ok=ok)
     if not ok: return p
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return [torch.load(out/f'{tag}-rank{r}.pt') for r in range(2)],p.stdout
 
 @pytest.mark.multiprocess

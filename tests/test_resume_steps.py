@@ -111,14 +111,12 @@ def test_mid_epoch_checkpoints_refuse_what_would_not_resume_exact(tmp_path):
 
 @pytest.mark.multiprocess
 def test_two_processes_killed_mid_window_resume_exact_under_torchrun(tmp_path):
-    import os, subprocess
-    from test_distributed import torchrun, ENV, HERE
+    import os
+    from test_distributed import torchrun, run_launch, ENV, HERE
     def launch(tag, phase):
         cmd = torchrun(2, os.path.join(HERE, 'resume_steps_worker.py'), tmp_path, tag, phase, max_restarts=1,
                        monitor_interval=0.5)
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE),
-                           env=dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1'))
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+        p = run_launch(cmd, 300, dict(ENV, FXA_PG_TIMEOUT='60', TORCH_GLOO_LAZY_INIT='1'))
         return [torch.load(tmp_path/f'{tag}-rank{r}.pt') for r in range(2)],p.stdout
     whole,_ = launch('whole', 'whole')
     killed,stdout = launch('kill', 'kill')
