@@ -178,9 +178,14 @@ class Watch:
         e.stopped = True
         raise e
 
-    def close(self):
+    def close(self, keep:bool=False, # The fit failed: its `fitting` key stays until `stop_peers` wrote what came of it
+             ):
         "The fit ended: stop watching"
         self.done.set()
+        if not keep: self.forget()
+
+    def forget(self):
+        "This process is no longer in the fit this watch watched: peers no longer wait for it"
         with contextlib.suppress(Exception): self.store.delete_key(f'{FITTING_KEY}{self.rank}/{self.n}')
 
 _watch = None # the running fit's `Watch`
@@ -195,10 +200,13 @@ def watch(communicating:callable, # Whether this process's micro-batch communica
         except Exception: _watch = None
     return _watch
 
-def unwatch():
-    "The fit ended: stop the `Watch`"
+def unwatch(keep:bool=False, # The fit failed: its `fitting` key stays (`Watch.close`), for `stop_peers` to remove
+           )->Watch|None:
+    "The fit ended: stop the `Watch`; the one stopped, if any"
     global _watch
-    if _watch is not None: _watch.close(); _watch = None
+    w,_watch = _watch,None
+    if w is not None: w.close(keep)
+    return w
 
 def _why(first:dict, world:int)->str:
     why = '; '.join(f'process {r} of {world} failed in its fit with {m}' for r,m in sorted(first.items()))
@@ -246,10 +254,18 @@ def keep_group():
     finally: _kept_groups -= 1
 
 def stop_peers(exc:BaseException, # The error the fit raised on this process
+               watch:Watch|None=None, # The failed fit's watch (`unwatch(keep=True)`): forgotten once it's said
               )->PeerProcessFailed|None:
     "Tell the others why this fit failed, stop their collectives; the error to raise instead if a peer failed first"
-    global _n_failed
     unwatch()
+    # peers always see this process in a state: fitting, until it wrote that it failed (a peer settling on a process in
+    # no state after `GRACE_S` takes it to wait in a collective, and destroys the group)
+    try: return _stop_peers(exc)
+    finally:
+        if watch is not None: watch.forget()
+
+def _stop_peers(exc:BaseException)->PeerProcessFailed|None:
+    global _n_failed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1: return None
     if getattr(exc, 'everywhere', False): return None # raised on every process by construction: none waits for another
     if _kept_groups: return None # the script handles it on every process (`keep_group`)

@@ -5,7 +5,7 @@ worker is `failfast_worker.py`."""
 import json, os, signal, subprocess, time
 import pytest
 pytestmark = [pytest.mark.multiprocess]
-from test_distributed import torchrun, ENV, HERE
+from test_distributed import torchrun, run_launch, ENV, HERE
 
 WORKER = os.path.join(HERE, 'failfast_worker.py')
 PG_TIMEOUT = 120 # the process-group timeout: a peer that waited for it would take two minutes, not seconds
@@ -26,16 +26,13 @@ def launch(tmp_path, case, fail_rank, n):
     monitor = 60 if case == 'killed' else 15
     cmd = torchrun(n, WORKER, tmp_path, case, fail_rank, monitor_interval=monitor)
     t0 = time.time()
-    p = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT,
-        env=dict(ENV, FXA_PG_TIMEOUT=str(PG_TIMEOUT)),
-        cwd=os.path.dirname(HERE),
-    )
+    p = run_launch(cmd, LAUNCH_TIMEOUT, env=dict(ENV, FXA_PG_TIMEOUT=str(PG_TIMEOUT)), ok=False)
     wall = time.time() - t0
-    assert p.returncode != 0 # a process raised out of its script, or was killed: torchrun says so
+    # what the processes wrote, and the launch's output: where a case went another way than the test meant
+    seen = '\n'.join(f'{f.name}: {f.read_text()[:600]}' for f in sorted(tmp_path.iterdir()) if f.suffix == '.json')
+    why = f'{seen}\n{p.stdout[-3000:]}{p.stderr[-6000:]}'
+    assert p.returncode != 0, why # a process raised out of its script, or was killed: torchrun says so
+    assert (tmp_path/'failed_at').exists(), why
     failed_at = float((tmp_path/'failed_at').read_text())
     # `lives`: the failing one's record is written at once; `killed`: the killed one writes none
     res = {
