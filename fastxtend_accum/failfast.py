@@ -178,7 +178,7 @@ class Watch:
         e.stopped = True
         raise e
 
-    def close(self, keep:bool=False, # The fit failed: its `fitting` key stays until `stop_peers` wrote what came of it
+    def close(self, keep:bool=False, # The fit failed: its fitting key stays until stop_peers said so
              ):
         "The fit ended: stop watching"
         self.done.set()
@@ -200,7 +200,7 @@ def watch(communicating:callable, # Whether this process's micro-batch communica
         except Exception: _watch = None
     return _watch
 
-def unwatch(keep:bool=False, # The fit failed: its `fitting` key stays (`Watch.close`), for `stop_peers` to remove
+def unwatch(keep:bool=False, # The fit failed: its fitting key stays, for stop_peers to remove
            )->Watch|None:
     "The fit ended: stop the `Watch`; the one stopped, if any"
     global _watch
@@ -254,7 +254,7 @@ def keep_group():
     finally: _kept_groups -= 1
 
 def stop_peers(exc:BaseException, # The error the fit raised on this process
-               watch:Watch|None=None, # The failed fit's watch (`unwatch(keep=True)`): forgotten once it's said
+               watch:Watch|None=None, # The failed fit's, from unwatch(keep=True): forgotten once said
               )->PeerProcessFailed|None:
     "Tell the others why this fit failed, stop their collectives; the error to raise instead if a peer failed first"
     unwatch()
