@@ -114,11 +114,16 @@ def torch_on_pypi()->list[str]:
 
 def listed(name:str, versions:set)->list[str]:
     "What of `versions` of `name` PyPI does not list (its simple index, PEP 700's `versions`)"
-    import urllib.request
+    import urllib.error, urllib.request
     req = urllib.request.Request(f'{PYPI}/{name}/', headers={'Accept': 'application/vnd.pypi.simple.v1+json'})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r: vs = json.loads(r.read())['versions']
-    except Exception as e: return [f'{name}: {e}']
+    for wait in (1, 4, 16, None): # a name lookup or connection that fails for a moment (CI's resolver) is tried again
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r: vs = json.loads(r.read())['versions']
+            break
+        except urllib.error.HTTPError as e: return [f'{name}: {e}'] # PyPI answered: no such project
+        except Exception as e:
+            if wait is None: return [f'{name}: PyPI did not answer 4 tries in 21 s: {e}']
+            time.sleep(wait)
     return [f'{name}=={v}: not on PyPI, which lists {len(vs)} other versions' for v in sorted(versions) if v not in vs]
 
 def quick()->list[str]:
