@@ -69,21 +69,24 @@ WAIT_S = 60.
 NEWS_WAIT = timedelta(days=30)
 POLL_S = .2 # how often a `Watch` that knows of a failure looks at its main thread (no store request)
 
+# a process's states, the first that holds wins; it writes them in the reverse order (`fitting` first, removed last)
+_STATES = ('failed', FAILED_KEY),('stopped', STOPPED_KEY),('waiting', WAITING_KEY),('fitting', FITTING_KEY)
+
 def _resolved(store, world:int, rank:int, n:int)->dict[int,str]:
     "Peers' `n`-th states since a fit failed ('failed', 'stopped', 'waiting' in a collective, 'fitting') or None"
     res = {}
     for r in range(world):
         if r == rank: continue
-        res[r] = next((k for k,key in (('failed', FAILED_KEY), ('stopped', STOPPED_KEY), ('waiting', WAITING_KEY),
-                                       ('fitting', FITTING_KEY))
-                       if _has(store, f'{key}{r}/{n}')), None)
+        # read in the order the process writes them: one that moves on between two reads is never seen in none
+        held = [k for k,key in reversed(_STATES) if _has(store, f'{key}{r}/{n}')]
+        res[r] = next((k for k,_ in _STATES if k in held), None)
     return res
 
 def _peers_settle(store, world:int, rank:int, n:int)->bool:
     "Whether the group can stay: every other process's fit failed or stopped before a collective; False once one waits"
     # a peer in its fit stops at its next batch (`Watch`), fails too, or enters a collective: waited for up to `WAIT_S`;
-    # one outside
-    # a fit (it finished, or never started one) only fails within `GRACE_S`, or is taken to wait in a collective
+    # one outside a fit (it finished, or never started one) only fails within `GRACE_S`, or is taken to wait in a
+    # collective
     start = time.monotonic()
     while True:
         st = _resolved(store, world, rank, n)
