@@ -69,17 +69,16 @@ WAIT_S = 60.
 NEWS_WAIT = timedelta(days=30)
 POLL_S = .2 # how often a `Watch` that knows of a failure looks at its main thread (no store request)
 
-# a process's states, the first that holds wins; it writes them in the reverse order (`fitting` first, removed last)
-_STATES = ('failed', FAILED_KEY),('stopped', STOPPED_KEY),('waiting', WAITING_KEY),('fitting', FITTING_KEY)
-
 def _resolved(store, world:int, rank:int, n:int)->dict[int,str]:
     "Peers' `n`-th states since a fit failed ('failed', 'stopped', 'waiting' in a collective, 'fitting') or None"
     res = {}
     for r in range(world):
         if r == rank: continue
-        # read in the order the process writes them: one that moves on between two reads is never seen in none
-        held = [k for k,key in reversed(_STATES) if _has(store, f'{key}{r}/{n}')]
-        res[r] = next((k for k,_ in _STATES if k in held), None)
+        # `fitting` first: a process writes it before the others and removes it after them, so one that moves on
+        # between two reads is never seen in none
+        fitting = _has(store, f'{FITTING_KEY}{r}/{n}')
+        res[r] = next((k for k,key in (('failed', FAILED_KEY), ('stopped', STOPPED_KEY), ('waiting', WAITING_KEY))
+                       if _has(store, f'{key}{r}/{n}')), 'fitting' if fitting else None)
     return res
 
 def _peers_settle(store, world:int, rank:int, n:int)->bool:
