@@ -258,7 +258,7 @@ def _on_device(learn:Learner, b):
 def _fit_failed(learn:Learner, e:BaseException):
     "A fit that raised `e`: all given back, other processes stopped and told why (`failfast`); a peer's error raised"
     __tracebackhide__ = True
-    w = failfast.unwatch(keep=True) # peers see this process fitting until `stop_peers` wrote that it failed
+    w = unwatch(keep=True) # peers see this process fitting until `stop_peers` wrote that it failed
     give_back(learn, e)
     peer = stop_peers(e, w)
     if isinstance(learn.model, nn.parallel.DistributedDataParallel) and not torch.distributed.is_initialized():
